@@ -1,0 +1,98 @@
+// pathattn/attention.h: the PaTH / PaTH-FoX attention op (forward and backward) and its params structs.
+// One params struct per direction feeds every backend (oracle, cpu, cuda): fill it once, set `backend`,
+// call path_attn_fwd / path_attn_bwd. Semantics are exactly those of SPEC.md; this header restates them.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "pathattn/types.h"
+
+namespace pathattn {
+
+// ---------------------------------------------------------------------------------------------------
+// The op, for one sequence and one query head h (kv head h / (HQ/H)), positions t = 0..T-1:
+//   H_t        = I - beta_t w_t w_t^T
+//   logit(i,j) = q_i^T (H_i H_{i-1} ... H_{j+1}) k_j      (j <= i; the empty product at j == i)
+//   s(i,j)     = scale * logit(i,j) + gate_scale * (G_i - G_j),   G_t = sum_{u<=t} g_u
+//   o_i        = sum_{j<=i} softmax_j(s(i,.)) v_j,   lse_i = log sum_{j<=i} exp(s(i,j))   (natural log)
+// With w and beta absent the op is plain causal softmax attention (FoX attention when g is given): the
+// same params struct serves as the library's plain attention, the floor PaTH is measured against.
+//
+// Shapes (FlashAttention / flash-linear-attention layout, token-major):
+//   q    [B, T, HQ, K]   bf16 | f16 | f32  (f64 on CPU backends)
+//   k    [B, T, H,  K]   dtype of q
+//   v    [B, T, H,  V]   dtype of q
+//   w    [B, T, H,  K]   f32 (f64 when q is f64)   optional together with beta (absent: plain attention)
+//   beta [B, T, H]       f32 (f64 when q is f64)
+//   g    [B, T, HQ]      f32 (f64 when q is f64)   optional: raw per-step log gate; the op does the cumsum
+//   o    [B, T, HQ, V]   dtype of v                output
+//   lse  [B, T, HQ]      f32 (f64 when q is f64)   output, optional in the forward
+//   cu_seqlens [N + 1]   i32 | i64, host memory for CPU backends; optional. With it B must be 1 and the
+//                        N sequences [cu[n], cu[n+1]) are independent (products and cumsums restart).
+// HQ must be a multiple of H (GQA/MQA: query head h uses kv head h / (HQ / H)). K and V: CPU backends
+// accept every multiple of 8 up to 256; the CUDA backend reports the set it was built for.
+// Strides: arbitrary, except the last dimension of every tensor must have stride 1.
+//
+// Ownership and threading: the library never keeps a pointer past the call and never allocates output
+// memory; all views belong to the caller. Calls are reentrant: concurrent calls on disjoint outputs are
+// safe. The CPU backends use OpenMP internally (num_threads below); the CUDA backend runs on `stream`.
+// ---------------------------------------------------------------------------------------------------
+
+// Sentinel meaning "use the default" for scale (K^-1/2) and gate_scale (= scale, the flash-linear-attention
+// convention; set gate_scale = 1 for the FoX paper's convention).
+inline constexpr double kDefaultScale = std::numeric_limits<double>::quiet_NaN();
+
+struct PathFwdParams {
+  // Inputs.
+  TensorView q, k, v;
+  TensorView w, beta;  // both present (PaTH) or both absent (plain attention)
+  TensorView g;        // optional forget gate (PaTH-FoX / FoX)
+  TensorView cu_seqlens;
+  double scale = kDefaultScale;
+  double gate_scale = kDefaultScale;
+  // Outputs.
+  TensorView o;
+  TensorView lse;  // optional
+  // Execution.
+  Backend backend = Backend::automatic;
+  int num_threads = 0;   // CPU: 0 = OpenMP default; results do not depend on it (bitwise)
+  int chunk_size = 0;    // CPU fast path: 0 = tuned default; must be a multiple of 8 otherwise
+  bool validate = false; // also reject non-finite inputs, beta outside [0, 2], | ||w|| - 1 | > 1e-2
+  void* stream = nullptr;  // cudaStream_t for the CUDA backend; nullptr = default stream
+};
+
+struct PathBwdParams {
+  // Inputs: the forward's inputs, its outputs o and lse (lse is required here), and the output gradient.
+  TensorView q, k, v;
+  TensorView w, beta;
+  TensorView g;
+  TensorView cu_seqlens;
+  double scale = kDefaultScale;
+  double gate_scale = kDefaultScale;
+  TensorView o, lse;
+  TensorView do_;  // [B, T, HQ, V], dtype of v
+  // Outputs (each overwritten, never accumulated into):
+  //   dq [B,T,HQ,K], dk [B,T,H,K], dv [B,T,H,V] in the dtype of q (accumulated in fp32 / fp64);
+  //   dw [B,T,H,K], dbeta [B,T,H] (required when w is present), dg [B,T,HQ] (required when g is present),
+  //   in the dtype of w / beta / g. GQA: kv-head gradients are summed over the query heads of a group.
+  //   dg is the gradient with respect to the raw g (not its cumsum).
+  TensorView dq, dk, dv, dw, dbeta, dg;
+  Backend backend = Backend::automatic;
+  int num_threads = 0;
+  int chunk_size = 0;
+  bool deterministic = false;  // CPU backends are always deterministic; CUDA: bitwise-reproducible mode
+  bool validate = false;
+  void* stream = nullptr;
+};
+
+// Forward: writes o (and lse when given). Returns a non-ok Status, touching no output, on bad input.
+Status path_attn_fwd(const PathFwdParams& p);
+
+// Backward: writes every gradient view given. Returns a non-ok Status on bad input.
+Status path_attn_bwd(const PathBwdParams& p);
+
+// Backends compiled into this build, e.g. "oracle cpu" or "oracle cpu cuda(sm_90a,sm_80)".
+std::string build_info();
+
+}  // namespace pathattn

@@ -1,0 +1,56 @@
+// core/problem.h: the validated, backend-neutral description of one call. Every entry point validates its
+// params into a Problem before any backend touches memory (SPEC.md section 5); backends read only this.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pathattn/attention.h"
+#include "pathattn/decode.h"
+
+// Returns early from the enclosing function when a Status-valued expression fails.
+#define PA_TRY(expr)            \
+  do {                          \
+    ::pathattn::Status _pa_s = (expr); \
+    if (!_pa_s.ok()) return _pa_s;    \
+  } while (0)
+
+namespace pathattn::core {
+
+// One independent sequence: batch row b, positions [t0, t0 + len) of that row.
+struct Seq {
+  int64_t b = 0, t0 = 0, len = 0;
+};
+
+struct Problem {
+  int64_t B = 0, T = 0, HQ = 0, H = 0, K = 0, V = 0;
+  int64_t group = 1;  // HQ / H
+  bool path = false;  // w and beta present (PaTH); false: plain causal softmax attention
+  bool gate = false;  // g present (FoX / PaTH-FoX)
+  bool f64 = false;   // every float tensor is f64 (CPU backends only)
+  double scale = 0, gate_scale = 0;
+  Backend backend = Backend::cpu;  // resolved: never automatic
+  std::vector<Seq> seqs;           // non-empty work items (empty varlen sequences are dropped)
+  int64_t num_seqs = 0;            // number of sequences including empty ones (B, or N for varlen)
+};
+
+// Validate and describe a forward / backward call. On error the returned Status names the argument.
+Status check_fwd(const PathFwdParams& p, Problem* out);
+Status check_bwd(const PathBwdParams& p, Problem* out);
+
+// Shared by the decode entry points: validates the cache views against a problem's H, HQ, K, V, dtype.
+// `num_seqs` is the number of cache slots expected; `need_room` requires lengths[n] < capacity.
+Status check_cache(const DecodeCache& c, const Problem& pr, int64_t num_seqs, bool need_room);
+
+// Opt-in validating mode: non-finite values, beta outside [0, 2], | ||w_t|| - 1 | > 1e-2.
+Status check_values(const Problem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& w, const TensorView& beta, const TensorView& g);
+
+// Helpers for error messages and shape checks, also used by the other entry points.
+std::string shape_str(const TensorView& x);
+Status tensor_check(const char* name, const TensorView& x, int ndim, const int64_t* shape,
+                    const char* dims_doc);
+Status dtype_check(const char* name, const TensorView& x, DType expected);
+
+}  // namespace pathattn::core

@@ -1,0 +1,24 @@
+// cpu/cpu_backend.h: entry points of the CPU backends, called by the dispatcher after validation.
+//   oracle_*: fp64 brute force from the definition (ALGORITHMS.md section 1).
+//   fast_*:   blockwise UT-transform path (ALGORITHMS.md sections 2 and 4), fp64 or fp32.
+#pragma once
+
+#include <functional>
+
+#include "core/problem.h"
+
+namespace pathattn::cpu {
+
+Status oracle_fwd(const PathFwdParams& p, const core::Problem& pr);
+Status oracle_bwd(const PathBwdParams& p, const core::Problem& pr);
+
+Status fast_fwd(const PathFwdParams& p, const core::Problem& pr);
+Status fast_bwd(const PathBwdParams& p, const core::Problem& pr);
+
+// Default chunk size of the fast path for a head dim (the value chunk_size = 0 selects).
+int default_chunk_size(int64_t K);
+
+// Runs fn(i) for i in [0, n) on `num_threads` OpenMP threads (0 = default) with dynamic scheduling (units write disjoint outputs, so the result never depends on the schedule).
+void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn);
+
+}  // namespace pathattn::cpu

@@ -1,0 +1,25 @@
+// cpu/parallel.cpp: the one place the CPU backends start threads (OpenMP, dynamic schedule over independent units).
+#include <functional>
+
+#include "cpu/cpu_backend.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace pathattn::cpu {
+
+void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn) {
+#ifdef _OPENMP
+  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+  if (nt > 1 && n > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+#else
+  (void)num_threads;
+#endif
+  for (int64_t i = 0; i < n; ++i) fn(i);
+}
+
+}  // namespace pathattn::cpu
