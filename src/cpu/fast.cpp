@@ -29,11 +29,12 @@ using core::Seq;
 // Small helpers.
 
 // exp for float, branch-free so loops over it vectorise: Cody-Waite range reduction x = n ln2 + r,
-// |r| <= ln2 / 2, then a degree-6 polynomial for e^r (max rel. error ~2e-7, i.e. ~1-2 ulp), times 2^n
-// built in the exponent bits. Inputs below -87 give exactly 0 (masked scores are handled separately).
+// |r| <= ln2 / 2 (n rounded with the 1.5 * 2^23 trick, which SSE2 can vectorise, unlike nearbyint), then a
+// degree-6 polynomial for e^r (max rel. error ~2e-7, i.e. ~1-2 ulp), times 2^n built in the exponent bits.
+// Inputs below -87 give exactly 0 (so -inf, the masked score, gives 0).
 inline float exp_fast(float x) {
   const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.3981999507e-3f;
@@ -50,6 +51,73 @@ inline float exp_fast(float x) {
   return x < -87.0f ? 0.0f : out;
 }
 inline double exp_fast(double x) { return std::exp(x); }
+
+// Row kernels of the softmax, the hot scalar loops of both directions. The float versions are compiled
+// for AVX-512, AVX2 and baseline x86-64 and picked at run time (portable binaries, wide vectors where the
+// CPU has them); the reductions use OpenMP simd so they vectorise without -ffast-math.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PA_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define PA_VECTOR_CLONES
+#endif
+
+// max_j s[j], j < m.
+PA_VECTOR_CLONES float row_max(const float* s, int64_t m, float init) {
+  float r = init;
+#pragma omp simd reduction(max : r)
+  for (int64_t j = 0; j < m; ++j) r = std::max(r, s[j]);
+  return r;
+}
+double row_max(const double* s, int64_t m, double init) {
+  double r = init;
+  for (int64_t j = 0; j < m; ++j) r = std::max(r, s[j]);
+  return r;
+}
+
+// s[j] := exp(s[j] - shift); returns the sum.
+PA_VECTOR_CLONES float row_exp(float* s, int64_t m, float shift) {
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < m; ++j) {
+    const float e = exp_fast(s[j] - shift);
+    s[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+double row_exp(double* s, int64_t m, double shift) {
+  double sum = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    s[j] = std::exp(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
+// Backward row: p[j] := exp(s[j] - lse) for j < keep (0 beyond), dp[j] := p[j] (dp[j] - delta); returns
+// sum_j dp[j] (the row's gate gradient).
+PA_VECTOR_CLONES float row_grad(float* s, float* dp, int64_t m, int64_t keep, float lse, float delta) {
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < m; ++j) {
+    const float p = j < keep ? exp_fast(s[j] - lse) : 0.0f;
+    s[j] = p;
+    const float d = p * (dp[j] - delta);
+    dp[j] = d;
+    sum += d;
+  }
+  return sum;
+}
+double row_grad(double* s, double* dp, int64_t m, int64_t keep, double lse, double delta) {
+  double sum = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const double p = j < keep ? std::exp(s[j] - lse) : 0.0;
+    s[j] = p;
+    dp[j] = p * (dp[j] - delta);
+    sum += dp[j];
+  }
+  return sum;
+}
 
 template <typename T>
 void fill_zero(T* x, int64_t n) {
@@ -206,15 +274,9 @@ template <typename T, bool kPath>
 void FastPath<T, kPath>::softmax_update(T* S, int64_t n, int64_t m, T* mx, T* l, T* acc, const T* vblk) const {
   for (int64_t r = 0; r < n; ++r) {
     T* sr = S + r * m;
-    T rm = mx[r];
-    for (int64_t j = 0; j < m; ++j) rm = std::max(rm, sr[j]);
+    const T rm = row_max(sr, m, mx[r]);
     const T alpha = rm == -std::numeric_limits<T>::infinity() ? T(1) : exp_fast(mx[r] - rm);
-    T sum = 0;
-    for (int64_t j = 0; j < m; ++j) {
-      const T e = exp_fast(sr[j] - rm);
-      sr[j] = e;
-      sum += e;
-    }
+    const T sum = row_exp(sr, m, rm);
     l[r] = l[r] * alpha + sum;
     mx[r] = rm;
     if (alpha != T(1)) {
@@ -324,24 +386,14 @@ void FastPath<T, kPath>::backward_chunk(const PathBwdParams& p, const Seq& sq, i
   // accumulates dv and the gate gradients. Scores must already hold scale * logits + gate.
   auto grad_block = [&](int64_t m, int64_t k0, bool diag) {
     gemm(false, true, cl, m, V, T(1), dO.data(), V, &s.v[k0 * V], V, T(0), dP.data(), m);
-    for (int64_t r = 0; r < cl; ++r)
-      for (int64_t j = 0; j < m; ++j) {
-        const bool keep = !diag || j <= r;
-        const T pr = keep ? exp_fast(S[r * m + j] - lse[r]) : T(0);
-        S[r * m + j] = pr;
-        dP[r * m + j] = pr * (dP[r * m + j] - delta[r]);
-      }
-    gemm(true, false, m, V, cl, T(1), S.data(), m, dO.data(), V, T(1), &gr->dv[k0 * V], V);
-    if (dG) {
-      for (int64_t r = 0; r < cl; ++r) {
-        T rs = 0;
-        for (int64_t j = 0; j < m; ++j) {
-          rs += dP[r * m + j];
-          dG[k0 + j] -= gs * dP[r * m + j];
-        }
+    for (int64_t r = 0; r < cl; ++r) {
+      const T rs = row_grad(&S[r * m], &dP[r * m], m, diag ? r + 1 : m, lse[r], delta[r]);
+      if (dG) {
         dG[r0 + r] += gs * rs;
+        for (int64_t j = 0; j < m; ++j) dG[k0 + j] -= gs * dP[r * m + j];
       }
     }
+    gemm(true, false, m, V, cl, T(1), S.data(), m, dO.data(), V, T(1), &gr->dv[k0 * V], V);
   };
 
   // Diagonal chunk.
