@@ -1,0 +1,103 @@
+// engine/config.h: run configuration (model, task, training) with every default in one place, parsed from
+// JSON with strict checking (unknown keys, wrong types and out-of-range values are errors that name the key).
+// docs/engine.md documents each field; keep the two in step.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace pathattn::engine {
+
+// Every engine failure the user can cause (bad config, bad checkpoint, bad data file) is an EngineError
+// whose message says what is wrong and where.
+struct EngineError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class AttnKind { path, path_fox, fox, rope, nope };
+const char* attn_kind_name(AttnKind k);
+AttnKind parse_attn_kind(const std::string& s);  // throws EngineError
+inline bool attn_has_path(AttnKind k) { return k == AttnKind::path || k == AttnKind::path_fox; }
+inline bool attn_has_gate(AttnKind k) { return k == AttnKind::path_fox || k == AttnKind::fox; }
+
+struct ModelConfig {
+  AttnKind attn = AttnKind::path;
+  int vocab_size = 0;      // 0: taken from the task
+  int d_model = 64;        // C
+  int n_layer = 1;
+  int n_head = 2;          // HQ
+  int n_kv_head = 0;       // H; 0: = n_head
+  int head_dim = 0;        // K = V; 0: d_model / n_head
+  int mlp_hidden = 0;      // F; 0: 4 * d_model * 2 / 3 rounded up to a multiple of 8
+  bool tie_embeddings = true;
+  int w_rank = 32;         // PaTH w projection: hidden -> w_rank -> H*K; 0: one full hidden -> H*K projection
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double init_std = 0.02;
+  double gate_bias_init = 0.0;  // initial b_g of the forget gate (fox, path-fox)
+  // Resolved sizes (after resolve()).
+  int H() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int K() const { return head_dim > 0 ? head_dim : d_model / n_head; }
+  int F() const { return mlp_hidden > 0 ? mlp_hidden : ((4 * d_model * 2 / 3 + 7) / 8) * 8; }
+};
+
+struct TaskConfig {
+  std::string name = "flipflop";  // flipflop | a5 | mqrar | bytes
+  int seq_len = 0;                // 0: task default (flipflop 512, a5 20, mqrar 768, bytes 256)
+  // flipflop
+  double p_train = 0.8;           // FFL(p) of the training stream
+  std::string loss_on = "read";   // "read": loss on the bit after each r only; "all": every next token
+  int eval_id = 1000, eval_sparse = 2000, eval_dense = 200;  // test-set sizes (sequences)
+  // a5
+  int eval_sequences = 1000;      // a5, mqrar, bytes: test-set size (sequences)
+  // mqrar
+  int n_back = 1;                 // N: a query asks for the N-th most recent value of its key
+  int n_keys = 32, n_values = 32;
+  double query_prob = 0.25;       // probability that an event is a query (when one is possible)
+  // bytes
+  std::vector<std::string> files;  // text files, concatenated in order
+  double val_fraction = 0.1;       // last fraction of the bytes is the validation split
+  uint64_t data_seed = 1234;       // seeds the test sets (independent of the training seed)
+};
+
+struct TrainConfig {
+  int steps = 1000;
+  int batch_size = 16;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;    // cosine decays to lr * min_lr_ratio at the last step
+  int warmup_steps = 50;
+  double weight_decay = 0.1;    // decoupled (AdamW), on matrices and embeddings only
+  double beta1 = 0.9, beta2 = 0.95, adam_eps = 1e-8;
+  double grad_clip = 1.0;       // global L2 norm; 0: off
+  uint64_t seed = 1;            // parameter init and the training data stream
+  std::string dtype = "f32";    // f32 | f64
+  std::string backend = "cpu";  // attention backend: cpu | oracle (cuda later)
+  int threads = 0;              // attention threads; 0: OpenMP default
+  int eval_every = 0;           // 0: only at the end
+  int checkpoint_every = 0;     // 0: only at the end
+  int log_every = 10;
+};
+
+struct RunConfig {
+  ModelConfig model;
+  TaskConfig task;
+  TrainConfig train;
+};
+
+// Parses a config; keys absent from `j` keep the defaults above. Throws EngineError naming the offending
+// key ("train.lr: expected a number > 0, got \"x\"") on unknown keys, wrong types or invalid values.
+RunConfig parse_config(const nlohmann::json& j);
+RunConfig parse_config_text(const std::string& text, const std::string& origin);  // origin: for messages
+RunConfig load_config_file(const std::string& path);
+// Applies the keys of `overlay` on top of `base` (same strictness) and returns the result.
+RunConfig overlay_config(const RunConfig& base, const nlohmann::json& overlay);
+// The full config, every field written (what checkpoints and run directories store).
+nlohmann::json config_to_json(const RunConfig& c);
+// Checks cross-field consistency once the task's vocab is known (head dims, GQA, sizes). Throws EngineError.
+void validate_config(const RunConfig& c);
+
+}  // namespace pathattn::engine
