@@ -1,0 +1,62 @@
+"""pathattn: PaTH attention (Householder-transport position encoding) for numpy and PyTorch.
+
+The op (SPEC.md section 1), in flash-linear-attention's layout and conventions::
+
+    o, k_cache = pathattn.parallel_path_attn(q, k, v, w, beta, g=None, scale=None,
+                                             cu_seqlens=None, use_cache=False)
+
+works on numpy arrays (CPU) and torch tensors (CPU and CUDA, with autograd and torch.compile). Also:
+
+- ``parallel_path_attn_bwd``: the backward as a plain function (numpy or torch, no autograd);
+- ``prefill`` / ``decode_step`` / ``PathCache``: inference with a cache of transported keys;
+- ``pathattn.nn.PaTHAttention`` (torch): the layer, loading flash-linear-attention state_dicts;
+- ``torch.ops.pathattn.path_attn_fwd`` / ``path_attn_bwd``: the registered torch custom ops.
+
+torch is optional: it is imported (and the custom ops registered) only if it is installed, unless the
+environment variable PATHATTN_NO_TORCH=1 is set.
+"""
+import importlib.util as _ilu
+import os as _os
+
+from ._pathattn import BackendUnavailableError, UnsupportedError, build_info
+from ._api import (
+    BACKENDS,
+    PathGrads,
+    backend_available,
+    parallel_path_attn,
+    parallel_path_attn_bwd,
+    parallel_path_attention,
+)
+from .decode import PathCache, decode_step, prefill
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "PathCache",
+    "PathGrads",
+    "UnsupportedError",
+    "backend_available",
+    "build_info",
+    "decode_step",
+    "parallel_path_attn",
+    "parallel_path_attn_bwd",
+    "parallel_path_attention",
+    "prefill",
+]
+
+HAS_TORCH = False
+if _os.environ.get("PATHATTN_NO_TORCH", "0") != "1" and _ilu.find_spec("torch") is not None:
+    from . import _torch_ops  # noqa: F401  (registers torch.ops.pathattn.*)
+
+    HAS_TORCH = True
+
+
+def __getattr__(name):
+    # `pathattn.nn` needs torch; import it on first use so numpy-only users never pay for it.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'pathattn' has no attribute {name!r}")

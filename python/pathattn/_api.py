@@ -1,0 +1,252 @@
+"""pathattn._api: the public op functions: argument checks, output allocation and dispatch.
+
+numpy arrays go straight to the extension (pathattn._pathattn); torch tensors go through the registered
+custom ops (pathattn._torch_ops) so that autograd and torch.compile see one opaque op.
+"""
+import collections
+import math
+import numbers
+
+import numpy as np
+
+from . import _pathattn as _C
+
+# Backend names accepted by every `backend=` argument, and the codes of pathattn::Backend.
+BACKENDS = {"auto": 0, "automatic": 0, "oracle": 1, "cpu": 2, "cuda": 3}
+NAN = float("nan")
+
+PathGrads = collections.namedtuple("PathGrads", ["dq", "dk", "dv", "dw", "dbeta", "dg"])
+PathGrads.__doc__ = """Gradients returned by parallel_path_attn_bwd: dq [B,T,HQ,K], dk [B,T,H,K], dv [B,T,H,V]
+in the dtype of q; dw [B,T,H,K], dbeta [B,T,H] (None when w, beta are None) and dg [B,T,HQ] (None when g
+is None) in the dtype of w / beta / g."""
+
+
+class _NoTorch:  # stands in for torch.Tensor until pathattn._torch_ops registers the real class
+    pass
+
+
+# Set by pathattn._torch_ops when torch is available (module globals, so torch.compile traces through).
+TorchTensor = _NoTorch
+torch_forward = None
+torch_backward = None
+
+
+def backend_code(backend):
+    """Maps None / 'auto' / 'oracle' / 'cpu' / 'cuda' to the pathattn::Backend code."""
+    if backend is None:
+        return 0
+    if isinstance(backend, str):
+        code = BACKENDS.get(backend.lower())
+        if code is not None:
+            return code
+    raise ValueError(f"backend: expected None, 'auto', 'oracle', 'cpu' or 'cuda', got {backend!r}")
+
+
+def array_kind(name, x):
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if isinstance(x, TorchTensor):
+        return "torch"
+    raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}")
+
+
+def check_same_kind(kind, name, x, optional=True):
+    if x is None:
+        if optional:
+            return
+        raise TypeError(f"{name}: expected a {'numpy.ndarray' if kind == 'numpy' else 'torch.Tensor'}, got None")
+    k = array_kind(name, x)
+    if k != kind:
+        raise TypeError(f"{name}: expected a {'numpy.ndarray' if kind == 'numpy' else 'torch.Tensor'} like q, "
+                        f"got a {'numpy.ndarray' if k == 'numpy' else 'torch.Tensor'}")
+
+
+def float_arg(name, x):
+    """None stays None (the default); otherwise a finite real number, returned as float."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a float or None, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number, got {x}")
+    return x
+
+
+def bool_arg(name, x):
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
+def check_ndim(name, x, ndim, doc):
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions {doc}, got {x.ndim} {list(x.shape)}")
+
+
+def numpy_cu_seqlens(cu_seqlens):
+    """cu_seqlens for the numpy path: None, an integer numpy array, or a list / tuple of ints."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, (list, tuple)):
+        try:
+            return np.asarray(cu_seqlens, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError("cu_seqlens: expected integers [0, l_0, l_0 + l_1, ..., T]") from None
+    if not isinstance(cu_seqlens, np.ndarray):
+        raise TypeError(f"cu_seqlens: expected a numpy.ndarray of int32 / int64 or a list of ints, got {type(cu_seqlens).__name__}")
+    return cu_seqlens
+
+
+def check_numpy_dtype(name, x):
+    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
+        raise TypeError(f"{name}: expected dtype float32, float64 or float16, got {x.dtype}")
+
+
+def _common_args(q, k, v, w, beta, g, scale, gate_scale, backend):
+    kind = array_kind("q", q)
+    check_same_kind(kind, "k", k, optional=False)
+    check_same_kind(kind, "v", v, optional=False)
+    if (w is None) != (beta is None):
+        raise ValueError(f"{'beta' if w is not None else 'w'}: w and beta must be given together "
+                         "(both None means plain causal attention)")
+    check_same_kind(kind, "w", w)
+    check_same_kind(kind, "beta", beta)
+    check_same_kind(kind, "g", g)
+    check_ndim("q", q, 4, "[B, T, HQ, K]")
+    check_ndim("k", k, 4, "[B, T, H, K]")
+    check_ndim("v", v, 4, "[B, T, H, V]")
+    return kind, float_arg("scale", scale), float_arg("gate_scale", gate_scale), backend_code(backend)
+
+
+def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, use_cache=False, *,
+                       gate_scale=None, deterministic=False, return_lse=False, backend=None):
+    """PaTH attention, flash-linear-attention's ``parallel_path_attn`` (same signature, layout, results).
+
+    Args:
+        q: [B, T, HQ, K] float (bf16 / fp16 / fp32 with torch; fp32 / fp16 / fp64 with numpy).
+        k: [B, T, H, K], dtype of q.   v: [B, T, H, V], dtype of q.
+        w: [B, T, H, K] float32 (float64 when q is float64): Householder directions, used as given.
+        beta: [B, T, H] float32: H_t = I - beta_t w_t w_t^T.
+        g: optional [B, T, HQ] float32: the raw per-step log forget gate (the op takes the cumsum).
+        scale: logit scale, default K ** -0.5. The gate is multiplied by it too (fla's convention).
+        cu_seqlens: optional [N + 1] int32 / int64 cumulative sequence lengths (B must be 1).
+        use_cache: also return k_cache [B, T, H, K] (dtype of k): every key transported to the end of
+            its sequence, H_{T-1} ... H_{j+1} k_j, the state a decoder continues from.
+    Keyword-only extras:
+        gate_scale: multiplier of the gate (default: scale; 1.0 is the FoX paper's convention).
+        deterministic: bitwise reproducible backward on CUDA (CPU backends always are).
+        return_lse: also return lse [B, T, HQ] float32 (natural log; not differentiable).
+        backend: None / 'auto' (cuda for CUDA tensors, cpu otherwise), 'cpu', 'oracle' (fp64 brute
+            force) or 'cuda'.
+    Returns:
+        (o, k_cache), or (o, k_cache, lse) with return_lse. o is [B, T, HQ, V] in the dtype of v;
+        k_cache is None unless use_cache.
+
+    torch tensors are differentiable in q, k, v, w, beta and g; numpy callers use parallel_path_attn_bwd.
+    Errors: ValueError / TypeError naming the argument; UnsupportedError (a NotImplementedError) for a
+    head dim the backend lacks; BackendUnavailableError (a RuntimeError) for a backend not in this build.
+    """
+    kind, scale, gate_scale, code = _common_args(q, k, v, w, beta, g, scale, gate_scale, backend)
+    use_cache = bool_arg("use_cache", use_cache)
+    deterministic = bool_arg("deterministic", deterministic)
+    return_lse = bool_arg("return_lse", return_lse)
+    if kind == "torch":
+        return torch_forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic,
+                             return_lse, code)
+    cu = numpy_cu_seqlens(cu_seqlens)
+    for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g)):
+        if x is not None:
+            check_numpy_dtype(name, x)
+    B, T, HQ, _ = q.shape
+    fdt = np.float64 if q.dtype == np.float64 else np.float32
+    o = np.empty((B, T, HQ, v.shape[3]), dtype=v.dtype)
+    lse = np.empty((B, T, HQ), dtype=fdt) if return_lse else None
+    s = NAN if scale is None else scale
+    gs = NAN if gate_scale is None else gate_scale
+    k_cache = None
+    if use_cache:
+        from .decode import prefill_k_cache
+
+        k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, s, gs, code, 0)
+    else:
+        _C.fwd(q, k, v, w, beta, g, cu, o, lse, s, gs, code, 0, 0, False, 0)
+    return (o, k_cache, lse) if return_lse else (o, k_cache)
+
+
+# flash-linear-attention exports the op under both names.
+parallel_path_attention = parallel_path_attn
+
+
+def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_seqlens=None, *,
+                           gate_scale=None, deterministic=False, backend=None):
+    """Backward of parallel_path_attn as a plain function (numpy arrays or torch tensors; no autograd).
+
+    Args:
+        q, k, v, w, beta, g, scale, cu_seqlens, gate_scale, backend: exactly as given to the forward.
+        o: [B, T, HQ, V] and lse: [B, T, HQ] float32, the forward's outputs (forward with return_lse=True).
+        do: [B, T, HQ, V], dtype of v: the gradient of the loss with respect to o.
+        deterministic: bitwise reproducible gradients on CUDA (CPU backends always are).
+    Returns:
+        PathGrads(dq, dk, dv, dw, dbeta, dg), a named tuple: dq [B,T,HQ,K], dk [B,T,H,K], dv [B,T,H,V] in
+        the dtype of q (accumulated in fp32 or better); dw [B,T,H,K], dbeta [B,T,H], dg [B,T,HQ] in
+        float32 (float64 for float64 inputs), dw / dbeta None when w / beta are None, dg None when g is.
+        With GQA the kv-head gradients are summed over each group's query heads; dg is the gradient
+        with respect to the raw g (not its cumsum).
+    """
+    kind, scale, gate_scale, code = _common_args(q, k, v, w, beta, g, scale, gate_scale, backend)
+    check_same_kind(kind, "o", o, optional=False)
+    check_same_kind(kind, "lse", lse, optional=False)
+    check_same_kind(kind, "do", do, optional=False)
+    deterministic = bool_arg("deterministic", deterministic)
+    if kind == "torch":
+        return PathGrads(*torch_backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale,
+                                         deterministic, code))
+    cu = numpy_cu_seqlens(cu_seqlens)
+    for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g), ("o", o),
+                    ("lse", lse), ("do", do)):
+        if x is not None:
+            check_numpy_dtype(name, x)
+    dq = np.empty(q.shape, dtype=q.dtype)
+    dk = np.empty(k.shape, dtype=q.dtype)
+    dv = np.empty(v.shape, dtype=q.dtype)
+    dw = np.empty(w.shape, dtype=w.dtype) if w is not None else None
+    dbeta = np.empty(beta.shape, dtype=beta.dtype) if beta is not None else None
+    dg = np.empty(g.shape, dtype=g.dtype) if g is not None else None
+    _C.bwd(q, k, v, w, beta, g, cu, o, lse, do, dq, dk, dv, dw, dbeta, dg,
+           NAN if scale is None else scale, NAN if gate_scale is None else gate_scale,
+           code, 0, 0, deterministic, False, 0)
+    return PathGrads(dq, dk, dv, dw, dbeta, dg)
+
+
+_available = {}
+
+
+def backend_available(backend):
+    """True if `backend` ('oracle', 'cpu', 'cuda') runs the forward in this build (probed once, tiny input).
+
+    A backend that reports BackendUnavailableError (not compiled in, or not implemented yet) is False.
+    The cuda probe needs torch with a visible GPU; without one it is False.
+    """
+    code = backend_code(backend)
+    if code in _available:
+        return _available[code]
+    ok = True
+    try:
+        if code == 3:
+            import torch
+
+            if not torch.cuda.is_available():
+                ok = False
+            else:
+                x = torch.zeros((1, 1, 1, 8), device="cuda", dtype=torch.bfloat16)
+                wv = torch.zeros((1, 1, 1, 8), device="cuda", dtype=torch.float32)
+                bv = torch.zeros((1, 1, 1), device="cuda", dtype=torch.float32)
+                parallel_path_attn(x, x, x, wv, bv, backend="cuda")
+        else:
+            x = np.zeros((1, 1, 1, 8), dtype=np.float32)
+            parallel_path_attn(x, x, x, x, np.zeros((1, 1, 1), np.float32), backend=backend)
+    except _C.BackendUnavailableError:
+        ok = False
+    _available[code] = ok
+    return ok

@@ -1,0 +1,186 @@
+"""pathattn._torch_ops: the torch custom ops and the torch side of parallel_path_attn.
+
+    torch.ops.pathattn.path_attn_fwd(q, k, v, w?, beta?, g?, cu_seqlens?, scale, gate_scale, use_cache,
+                                     backend, deterministic) -> (o, lse, k_cache)
+    torch.ops.pathattn.path_attn_bwd(do, q, k, v, w?, beta?, g?, cu_seqlens?, o, lse, scale, gate_scale,
+                                     backend, deterministic) -> (dq, dk, dv, dw, dbeta, dg)
+
+Both have fake (meta) implementations, so torch.compile traces them without graph breaks; the forward
+has a registered autograd formula (the backward op), differentiable in q, k, v, w, beta and g. Tensors
+cross into C++ through DLPack without copies; a CUDA call runs on torch's current stream. Absent optional
+outputs are returned as empty tensors (k_cache without use_cache; dw, dbeta, dg without w, beta, g).
+"""
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _api
+from . import _pathattn as _C
+from .decode import prefill_k_cache
+
+
+def _float_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _arg(x):
+    """Detached view of x; copied only if its last dimension is not contiguous (the kernels need it)."""
+    if x is None:
+        return None
+    x = x.detach()
+    if x.dim() > 0 and x.size(-1) > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def _host(cu):
+    # The library reads cu_seqlens in host memory (a few bytes).
+    return None if cu is None else cu.detach().to("cpu")
+
+
+def _stream(x):
+    return torch.cuda.current_stream(x.device).cuda_stream if x.device.type == "cuda" else 0
+
+
+def _device_guard(x):
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _empty0(like, dtype):
+    return torch.empty((0,), dtype=dtype, device=like.device)
+
+
+@torch.library.custom_op("pathattn::path_attn_fwd", mutates_args=())
+def path_attn_fwd(q: Tensor, k: Tensor, v: Tensor, w: Optional[Tensor], beta: Optional[Tensor],
+                  g: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, gate_scale: float,
+                  use_cache: bool, backend: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """PaTH attention forward: o [B,T,HQ,V] (dtype of v), lse [B,T,HQ] float32, k_cache [B,T,H,K] (dtype
+    of k; empty unless use_cache). `deterministic` only travels to the backward."""
+    q, k, v, w, beta, g = (_arg(x) for x in (q, k, v, w, beta, g))
+    B, T, HQ, _ = q.shape
+    o = torch.empty((B, T, HQ, v.shape[3]), dtype=v.dtype, device=q.device)
+    lse = torch.empty((B, T, HQ), dtype=_float_dtype(q), device=q.device)
+    cu = _host(cu_seqlens)
+    with _device_guard(q):
+        if use_cache:
+            k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, backend, _stream(q))
+        else:
+            _C.fwd(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, backend, 0, 0, False, _stream(q))
+            k_cache = _empty0(k, k.dtype)
+    return o, lse, k_cache
+
+
+@path_attn_fwd.register_fake
+def _path_attn_fwd_fake(q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_cache, backend, deterministic):
+    B, T, HQ, _ = q.shape
+    o = q.new_empty((B, T, HQ, v.shape[3]), dtype=v.dtype)
+    lse = q.new_empty((B, T, HQ), dtype=_float_dtype(q))
+    k_cache = k.new_empty(k.shape) if use_cache else k.new_empty((0,))
+    return o, lse, k_cache
+
+
+@torch.library.custom_op("pathattn::path_attn_bwd", mutates_args=())
+def path_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Optional[Tensor], beta: Optional[Tensor],
+                  g: Optional[Tensor], cu_seqlens: Optional[Tensor], o: Tensor, lse: Tensor, scale: float,
+                  gate_scale: float, backend: int,
+                  deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """PaTH attention backward: dq, dk, dv (dtype of q), dw, dbeta, dg (float32; empty when w / beta / g
+    are None)."""
+    do, q, k, v, w, beta, g, o, lse = (_arg(x) for x in (do, q, k, v, w, beta, g, o, lse))
+    fdt = _float_dtype(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=q.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    dw = torch.empty(w.shape, dtype=w.dtype, device=q.device) if w is not None else None
+    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=q.device) if beta is not None else None
+    dg = torch.empty(g.shape, dtype=g.dtype, device=q.device) if g is not None else None
+    with _device_guard(q):
+        _C.bwd(q, k, v, w, beta, g, _host(cu_seqlens), o, lse, do, dq, dk, dv, dw, dbeta, dg, scale,
+               gate_scale, backend, 0, 0, deterministic, False, _stream(q))
+    return (dq, dk, dv, dw if dw is not None else _empty0(q, fdt), dbeta if dbeta is not None else _empty0(q, fdt),
+            dg if dg is not None else _empty0(q, fdt))
+
+
+@path_attn_bwd.register_fake
+def _path_attn_bwd_fake(do, q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate_scale, backend, deterministic):
+    fdt = _float_dtype(q)
+    dq = q.new_empty(q.shape)
+    dk = k.new_empty(k.shape, dtype=q.dtype)
+    dv = v.new_empty(v.shape, dtype=q.dtype)
+    dw = w.new_empty(w.shape) if w is not None else q.new_empty((0,), dtype=fdt)
+    dbeta = beta.new_empty(beta.shape) if beta is not None else q.new_empty((0,), dtype=fdt)
+    dg = g.new_empty(g.shape) if g is not None else q.new_empty((0,), dtype=fdt)
+    return dq, dk, dv, dw, dbeta, dg
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_cache, backend, deterministic = inputs
+    o, lse, k_cache = output
+    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse)
+    ctx.scale, ctx.gate_scale, ctx.backend, ctx.deterministic = scale, gate_scale, backend, deterministic
+    ctx.has = (w is not None, beta is not None, g is not None)
+    # lse and k_cache are outputs for inference; gradients flow through o only.
+    ctx.mark_non_differentiable(lse, k_cache)
+
+
+def _backward(ctx, do, dlse, dk_cache):
+    q, k, v, w, beta, g, cu_seqlens, o, lse = ctx.saved_tensors
+    dq, dk, dv, dw, dbeta, dg = torch.ops.pathattn.path_attn_bwd(
+        do, q, k, v, w, beta, g, cu_seqlens, o, lse, ctx.scale, ctx.gate_scale, ctx.backend, ctx.deterministic)
+    has_w, has_beta, has_g = ctx.has
+    return (dq, dk, dv, dw if has_w else None, dbeta if has_beta else None, dg if has_g else None,
+            None, None, None, None, None, None)
+
+
+path_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_devices(q, named):
+    for name, x in named:
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} like q, got one on {x.device}")
+
+
+def _cu_tensor(cu_seqlens):
+    if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
+        return cu_seqlens
+    if isinstance(cu_seqlens, (list, tuple)):
+        return torch.tensor(cu_seqlens, dtype=torch.int64)
+    raise TypeError(f"cu_seqlens: expected a torch.Tensor of int32 / int64, got {type(cu_seqlens).__name__}")
+
+
+def _scales(q, scale, gate_scale):
+    # Resolved here (not left to the C++ default) so the op's float arguments are ordinary numbers.
+    if scale is None:
+        scale = float(q.shape[-1]) ** -0.5
+    if gate_scale is None:
+        gate_scale = scale
+    return scale, gate_scale
+
+
+def forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic, return_lse, code):
+    cu_seqlens = _cu_tensor(cu_seqlens)
+    _check_devices(q, (("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g)))
+    scale, gate_scale = _scales(q, scale, gate_scale)
+    o, lse, k_cache = torch.ops.pathattn.path_attn_fwd(q, k, v, w, beta, g, cu_seqlens, scale, gate_scale,
+                                                       use_cache, code, deterministic)
+    k_cache = k_cache if use_cache else None
+    return (o, k_cache, lse) if return_lse else (o, k_cache)
+
+
+def backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale, deterministic, code):
+    cu_seqlens = _cu_tensor(cu_seqlens)
+    _check_devices(q, (("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g), ("o", o), ("lse", lse),
+                       ("do", do)))
+    scale, gate_scale = _scales(q, scale, gate_scale)
+    dq, dk, dv, dw, dbeta, dg = torch.ops.pathattn.path_attn_bwd(do, q, k, v, w, beta, g, cu_seqlens, o, lse,
+                                                                 scale, gate_scale, code, deterministic)
+    return (dq, dk, dv, dw if w is not None else None, dbeta if beta is not None else None,
+            dg if g is not None else None)
+
+
+_api.TorchTensor = Tensor
+_api.torch_forward = forward
+_api.torch_backward = backward

@@ -1,0 +1,243 @@
+"""pathattn.decode: inference with PaTH attention (SPEC.md section 6), for numpy arrays and torch tensors.
+
+``prefill`` runs the forward over prompts and returns a ``PathCache`` of keys transported to each prompt's
+end; ``decode_step`` appends one token per sequence, updating the cached keys in place with the rank-one
+Householder step, and returns its output. The cache is kept in float32 (float64 for float64 inputs), not
+in the model's dtype, so long generations do not drift. Decoding is inference only: nothing here is
+differentiable.
+"""
+import numpy as np
+
+from . import _api
+from . import _pathattn as _C
+
+
+def _is_numpy(x):
+    return isinstance(x, np.ndarray)
+
+
+def _float_dtype(q):
+    """The dtype of lse and of the cache: float64 for float64 inputs, else float32."""
+    if _is_numpy(q):
+        return np.float64 if q.dtype == np.float64 else np.float32
+    import torch
+
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _empty(like, shape, dtype):
+    if _is_numpy(like):
+        return np.empty(shape, dtype=dtype)
+    import torch
+
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _zeros(like, shape, dtype):
+    if _is_numpy(like):
+        return np.zeros(shape, dtype=dtype)
+    import torch
+
+    return torch.zeros(shape, dtype=dtype, device=like.device)
+
+
+def _plain(x):
+    """What the extension receives: numpy arrays as they are, torch tensors detached (no copy)."""
+    return x if x is None or _is_numpy(x) else x.detach()
+
+
+def _stream(x):
+    if _is_numpy(x) or x.device.type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(x.device).cuda_stream
+
+
+def _host_lengths(cu):
+    """Sequence lengths from cu_seqlens (host numpy int64), or None when cu is malformed (the C++ side then
+    reports the problem, naming cu_seqlens)."""
+    if cu is None:
+        return None
+    c = cu if _is_numpy(cu) else cu.detach().cpu().numpy()
+    if c.ndim != 1 or c.shape[0] < 2 or c.dtype.kind not in "iu":
+        return None
+    return np.maximum(np.diff(c.astype(np.int64)), 0)
+
+
+def _cache_arrays(q, k, v, g, num_seqs, capacity):
+    """Allocates kc [N,H,C,K], vc [N,H,C,V], gc [N,HQ,C] (or None), lengths [N] (host int64)."""
+    H, K, V, HQ = k.shape[2], k.shape[3], v.shape[3], q.shape[2]
+    fdt = _float_dtype(q)
+    kc = _zeros(q, (num_seqs, H, capacity, K), fdt)
+    vc = _zeros(q, (num_seqs, H, capacity, V), fdt)
+    gc = _zeros(q, (num_seqs, HQ, capacity), fdt) if g is not None else None
+    lengths = np.zeros((num_seqs,), dtype=np.int64)
+    return kc, vc, gc, lengths
+
+
+def _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, capacity_extra):
+    """Prefill into a fresh cache with capacity max_len + capacity_extra. Returns (kc, vc, gc, lengths)."""
+    lens = _host_lengths(cu)
+    if cu is None:
+        num_seqs, max_len = q.shape[0], q.shape[1]
+    elif lens is None:
+        num_seqs, max_len = 1, 1  # malformed cu_seqlens: the C++ validation rejects it before any write
+    else:
+        num_seqs, max_len = len(lens), int(lens.max()) if len(lens) else 0
+    cap = max(int(max_len) + int(capacity_extra), 1)
+    kc, vc, gc, lengths = _cache_arrays(q, k, v, g, num_seqs, cap)
+    if cu is not None and not _is_numpy(cu):
+        cu = cu.detach().cpu()
+    _C.prefill(_plain(q), _plain(k), _plain(v), _plain(w), _plain(beta), _plain(g), cu, o, lse, kc, vc, gc,
+               lengths, scale, gate_scale, code, 0, 0, False, _stream(q))
+    return kc, vc, gc, lengths
+
+
+def prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, stream):
+    """The forward with use_cache=True: writes o (and lse) and returns k_cache [B, T, H, K] in k's dtype,
+    each key transported to the end of its sequence (fla's k_cache)."""
+    kc, _, _, _ = _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, 0)
+    B, T, H, K = k.shape
+    if cu is None:
+        out = kc[:, :, :T].transpose(0, 2, 1, 3) if _is_numpy(kc) else kc[:, :, :T].transpose(1, 2)
+    else:
+        # Packed sequences: token t of the packed axis is position pos[t] of sequence seq[t].
+        lens = _host_lengths(cu)
+        seq = np.repeat(np.arange(len(lens)), lens)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]) if len(lens) else np.zeros(0, np.int64)
+        pos = np.arange(T) - starts[seq]
+        if _is_numpy(kc):
+            out = kc[seq, :, pos][None]
+        else:
+            import torch
+
+            si = torch.as_tensor(seq, device=kc.device)
+            pi = torch.as_tensor(pos, device=kc.device)
+            out = kc[si, :, pi][None]
+    if _is_numpy(out):
+        return np.ascontiguousarray(out, dtype=k.dtype)
+    return out.to(k.dtype).contiguous()
+
+
+class PathCache:
+    """Decode state of N independent sequences (SPEC.md section 6).
+
+    Attributes (numpy arrays or torch tensors on the inputs' device, float32 or float64):
+        kc [N, H, C, K]: cached keys, transported to the sequence's last token.
+        vc [N, H, C, V]: cached values.   gc [N, HQ, C] or None: inclusive gate cumsums G_j.
+        lengths [N] (numpy int64, host): tokens cached per sequence.
+        scale, gate_scale: the forward's scales (NaN means the default), reused by every step.
+        backend: the backend code the steps run on.
+    C (``capacity``) grows automatically (doubling) when a step needs room.
+    """
+
+    def __init__(self, kc, vc, gc, lengths, scale, gate_scale, backend):
+        self.kc, self.vc, self.gc, self.lengths = kc, vc, gc, lengths
+        self.scale, self.gate_scale, self.backend = scale, gate_scale, backend
+
+    @property
+    def num_seqs(self):
+        return self.kc.shape[0]
+
+    @property
+    def capacity(self):
+        return self.kc.shape[2]
+
+    def keys(self, n):
+        """Transported keys of sequence n: [H, lengths[n], K]."""
+        return self.kc[n, :, : int(self.lengths[n])]
+
+    def values(self, n):
+        return self.vc[n, :, : int(self.lengths[n])]
+
+    def reserve(self, capacity):
+        """Grows every slot to hold at least `capacity` tokens (copies the cached ones)."""
+        cap = self.capacity
+        if capacity <= cap:
+            return
+        N, H, _, K = self.kc.shape
+        V = self.vc.shape[3]
+        kc = _zeros(self.kc, (N, H, capacity, K), self.kc.dtype)
+        vc = _zeros(self.vc, (N, H, capacity, V), self.vc.dtype)
+        kc[:, :, :cap] = self.kc
+        vc[:, :, :cap] = self.vc
+        if self.gc is not None:
+            gc = _zeros(self.gc, (N, self.gc.shape[1], capacity), self.gc.dtype)
+            gc[:, :, :cap] = self.gc
+            self.gc = gc
+        self.kc, self.vc = kc, vc
+
+    def __repr__(self):
+        return (f"PathCache(num_seqs={self.num_seqs}, capacity={self.capacity}, "
+                f"lengths={self.lengths.tolist()}, gate={self.gc is not None})")
+
+
+def prefill(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, *, gate_scale=None, capacity=None,
+            return_lse=False, backend=None):
+    """Runs the forward over prompts and returns (o, cache) [or (o, cache, lse) with return_lse].
+
+    Arguments are those of parallel_path_attn (numpy arrays or torch tensors, same shapes and dtypes).
+    Sequence n of the batch (batch row n, or varlen sequence n of cu_seqlens) becomes cache slot n.
+    capacity: tokens each slot can hold before decode_step has to grow the cache (default: the longest
+    prompt + 256).
+    """
+    kind, scale, gate_scale, code = _api._common_args(q, k, v, w, beta, g, scale, gate_scale, backend)
+    return_lse = _api.bool_arg("return_lse", return_lse)
+    if kind == "numpy":
+        cu_seqlens = _api.numpy_cu_seqlens(cu_seqlens)
+    elif cu_seqlens is not None and not isinstance(cu_seqlens, _api.TorchTensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer))
+                                 or capacity < 0):
+        raise ValueError(f"capacity: expected a non-negative int or None, got {capacity!r}")
+    B, T, HQ, _ = q.shape
+    o = _empty(q, (B, T, HQ, v.shape[3]), v.dtype)
+    lse = _empty(q, (B, T, HQ), _float_dtype(q)) if return_lse else None
+    s = _api.NAN if scale is None else scale
+    gs = _api.NAN if gate_scale is None else gate_scale
+    if capacity is None:
+        extra = 256
+    else:
+        lens = _host_lengths(cu_seqlens)
+        longest = T if cu_seqlens is None else (int(lens.max()) if lens is not None and len(lens) else 0)
+        extra = max(int(capacity) - longest, 0)
+    kc, vc, gc, lengths = _run_prefill(q, k, v, w, beta, g, cu_seqlens, o, lse, s, gs, code, extra)
+    cache = PathCache(kc, vc, gc, lengths, s, gs, code)
+    return (o, cache, lse) if return_lse else (o, cache)
+
+
+def decode_step(cache, q, k, v, w, beta, g=None, *, return_lse=False):
+    """One token for every sequence of the cache: returns o [N, 1, HQ, V] (and lse [N, 1, HQ]).
+
+    q [N, 1, HQ, K], k [N, 1, H, K], v [N, 1, H, V] (one dtype), w [N, 1, H, K] and beta [N, 1, H] float32,
+    g [N, 1, HQ] float32 exactly when the cache was prefilled with a gate. Every cached key is first
+    transported by the new token's Householder step, then k, v, G are appended, then the token attends
+    to the whole cache: o = softmax_j(scale q . kc_j + gate_scale (G_new - G_j)) v_j.
+    """
+    if not isinstance(cache, PathCache):
+        raise TypeError(f"cache: expected a pathattn.PathCache (from pathattn.prefill), got {type(cache).__name__}")
+    kind = _api.array_kind("q", q)
+    kinds = "numpy" if _is_numpy(cache.kc) else "torch"
+    if kind != kinds:
+        raise TypeError(f"q: the cache holds {kinds} arrays but q is a {kind} array")
+    _api.check_same_kind(kind, "k", k, optional=False)
+    _api.check_same_kind(kind, "v", v, optional=False)
+    _api.check_same_kind(kind, "w", w)
+    _api.check_same_kind(kind, "beta", beta)
+    _api.check_same_kind(kind, "g", g)
+    return_lse = _api.bool_arg("return_lse", return_lse)
+    _api.check_ndim("q", q, 4, "[N, 1, HQ, K]")
+    _api.check_ndim("v", v, 4, "[N, 1, H, V]")
+    if int(_max_len(cache.lengths)) >= cache.capacity:
+        cache.reserve(max(2 * cache.capacity, cache.capacity + 64))
+    N, _, HQ, _ = q.shape
+    o = _empty(q, (N, 1, HQ, v.shape[3]), v.dtype)
+    lse = _empty(q, (N, 1, HQ), _float_dtype(q)) if return_lse else None
+    _C.decode(_plain(q), _plain(k), _plain(v), _plain(w), _plain(beta), _plain(g), o, lse, cache.kc, cache.vc,
+              cache.gc, cache.lengths, cache.scale, cache.gate_scale, cache.backend, 0, _stream(q))
+    return (o, lse) if return_lse else o
+
+
+def _max_len(lengths):
+    return lengths.max() if len(lengths) else 0
