@@ -69,7 +69,8 @@ bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType
 std::string shape_str(const TensorView& x) {
   std::ostringstream s;
   s << "[";
-  for (int i = 0; i < x.ndim; ++i) s << (i ? ", " : "") << x.shape[i];
+  const int nd = x.ndim < 0 ? 0 : (x.ndim > 4 ? 4 : x.ndim);  // a bad ndim must not index past shape[4]
+  for (int i = 0; i < nd; ++i) s << (i ? ", " : "") << x.shape[i];
   s << "]";
   return s.str();
 }
@@ -78,13 +79,13 @@ std::string shape_str(const TensorView& x) {
 Status tensor_check(const char* name, const TensorView& x, int ndim, const int64_t* shape,
                     const char* dims_doc) {
   if (!x.present()) return bad(std::string(name) + ": required but absent");
-  if (x.data == nullptr && x.numel() != 0) return bad(std::string(name) + ": data pointer is null");
-  if (x.ndim != ndim) {
+  if (x.ndim != ndim) {  // before numel(), which would read past shape[] for ndim > 4
     std::ostringstream s;
     s << name << ": expected " << ndim << " dimensions " << dims_doc << ", got " << x.ndim << " "
       << shape_str(x);
     return bad(s.str());
   }
+  if (x.data == nullptr && x.numel() != 0) return bad(std::string(name) + ": data pointer is null");
   for (int i = 0; i < ndim; ++i) {
     if (x.shape[i] < 0) return bad(std::string(name) + ": negative size in shape " + shape_str(x));
     if (shape[i] >= 0 && x.shape[i] != shape[i]) {
@@ -114,6 +115,36 @@ Status dtype_check(const char* name, const TensorView& x, DType expected) {
 }
 
 namespace {
+
+// Validating mode: the first non-finite element of x [B, T, heads, D] (rank 4) or [B, T, heads] (rank 3).
+Status scan_finite(const char* name, const TensorView& x, const Problem& pr, int64_t heads, int64_t D) {
+  for (int64_t b = 0; b < pr.B; ++b)
+    for (int64_t t = 0; t < pr.T; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          int64_t off = offset3(x, b, t, h) + (x.ndim == 4 ? d : 0);
+          double val = load_elem<double>(x.data, x.dtype, off);
+          if (!std::isfinite(val)) {
+            std::ostringstream s;
+            s << name << ": non-finite value " << val << " at [" << b << ", " << t << ", " << h;
+            if (x.ndim == 4) s << ", " << d;
+            s << "]";
+            return bad(s.str());
+          }
+        }
+  return Status::Ok();
+}
+
+Status unavailable_cuda(Backend be) {
+#ifndef PATHATTN_WITH_CUDA
+  if (be == Backend::cuda) {
+    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend (configure with -DPATHATTN_CUDA=ON)");
+  }
+#else
+  (void)be;
+#endif
+  return Status::Ok();
+}
 
 // The part of validation shared by forward and backward: inputs, options, sequences.
 Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& w,
@@ -169,6 +200,7 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
   Backend be = backend;
   if (be == Backend::automatic) be = q.device == Device::cuda ? Backend::cuda : Backend::cpu;
   pr->backend = be;
+  PA_TRY(unavailable_cuda(be));  // before the device checks: a missing backend is the real reason
   const Device dev = be == Backend::cuda ? Device::cuda : Device::cpu;
   const TensorView* all[] = {&q, &k, &v, &w, &beta, &g};
   const char* names[] = {"q", "k", "v", "w", "beta", "g"};
@@ -232,17 +264,6 @@ Status check_output(const char* name, const TensorView& x, int ndim, const int64
   return Status::Ok();
 }
 
-Status unavailable_cuda(const Problem& pr) {
-#ifndef PATHATTN_WITH_CUDA
-  if (pr.backend == Backend::cuda) {
-    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend (configure with -DPATHATTN_CUDA=ON)");
-  }
-#else
-  (void)pr;
-#endif
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status check_fwd(const PathFwdParams& p, Problem* pr) {
@@ -256,7 +277,6 @@ Status check_fwd(const PathFwdParams& p, Problem* pr) {
     int64_t ls[3] = {pr->B, pr->T, pr->HQ};
     PA_TRY(check_output("lse", p.lse, 3, ls, "[B, T, HQ]", pr->f64 ? DType::f64 : DType::f32, dev));
   }
-  PA_TRY(unavailable_cuda(*pr));
   if (p.validate) PA_TRY(check_values(*pr, p.q, p.k, p.v, p.w, p.beta, p.g));
   return Status::Ok();
 }
@@ -289,8 +309,10 @@ Status check_bwd(const PathBwdParams& p, Problem* pr) {
   } else if (p.dg.present()) {
     return bad("dg: given, but g is absent");
   }
-  PA_TRY(unavailable_cuda(*pr));
-  if (p.validate) PA_TRY(check_values(*pr, p.q, p.k, p.v, p.w, p.beta, p.g));
+  if (p.validate) {
+    PA_TRY(check_values(*pr, p.q, p.k, p.v, p.w, p.beta, p.g));
+    PA_TRY(scan_finite("do", p.do_, *pr, pr->HQ, pr->V));  // the output gradient is an input here too
+  }
   return Status::Ok();
 }
 
@@ -328,30 +350,13 @@ Status check_cache(const DecodeCache& c, const Problem& pr, int64_t num_seqs, bo
 Status check_values(const Problem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& w, const TensorView& beta, const TensorView& g) {
   if (pr.backend == Backend::cuda) return Status(Status::Code::unsupported, "validate: the validating mode is implemented for host tensors only");
-  auto scan = [&](const char* name, const TensorView& x, int64_t heads, int64_t D) -> Status {
-    for (int64_t b = 0; b < pr.B; ++b)
-      for (int64_t t = 0; t < pr.T; ++t)
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t d = 0; d < D; ++d) {
-            int64_t off = offset3(x, b, t, h) + (x.ndim == 4 ? d : 0);
-            double val = load_elem<double>(x.data, x.dtype, off);
-            if (!std::isfinite(val)) {
-              std::ostringstream s;
-              s << name << ": non-finite value " << val << " at [" << b << ", " << t << ", " << h;
-              if (x.ndim == 4) s << ", " << d;
-              s << "]";
-              return bad(s.str());
-            }
-          }
-    return Status::Ok();
-  };
-  PA_TRY(scan("q", q, pr.HQ, pr.K));
-  PA_TRY(scan("k", k, pr.H, pr.K));
-  PA_TRY(scan("v", v, pr.H, pr.V));
-  if (pr.gate) PA_TRY(scan("g", g, pr.HQ, 1));
+  PA_TRY(scan_finite("q", q, pr, pr.HQ, pr.K));
+  PA_TRY(scan_finite("k", k, pr, pr.H, pr.K));
+  PA_TRY(scan_finite("v", v, pr, pr.H, pr.V));
+  if (pr.gate) PA_TRY(scan_finite("g", g, pr, pr.HQ, 1));
   if (pr.path) {
-    PA_TRY(scan("w", w, pr.H, pr.K));
-    PA_TRY(scan("beta", beta, pr.H, 1));
+    PA_TRY(scan_finite("w", w, pr, pr.H, pr.K));
+    PA_TRY(scan_finite("beta", beta, pr, pr.H, 1));
     for (int64_t b = 0; b < pr.B; ++b)
       for (int64_t t = 0; t < pr.T; ++t)
         for (int64_t h = 0; h < pr.H; ++h) {

@@ -258,7 +258,8 @@ double max_rel(const std::vector<double>& a, const std::vector<double>& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     double e = std::fabs(a[i] - ref[i]);
-    if (!(e <= num)) num = e;  // NaN propagates as NaN
+    if (std::isnan(e)) return INFINITY;  // a later finite element must not hide a NaN
+    num = std::max(num, e);
     den = std::max(den, std::fabs(ref[i]));
   }
   if (!std::isfinite(num)) return INFINITY;
