@@ -18,6 +18,9 @@ Status fast_bwd(const PathBwdParams& p, const core::Problem& pr);
 // Default chunk size of the fast path for a head dim (the value chunk_size = 0 selects).
 int default_chunk_size(int64_t K);
 
+// The number of threads a call with `num_threads` uses (0 = the OpenMP default).
+int resolve_threads(int num_threads);
+
 // Runs fn(i) for i in [0, n) on `num_threads` OpenMP threads (0 = default) with dynamic scheduling (units write disjoint outputs, so the result never depends on the schedule).
 void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn);
 

@@ -339,24 +339,33 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
   if (p.lse.present()) core::store_col(p.lse, sq.b, sq.t0 + r0, cl, hq, lse.data());
 }
 
+// The (sequence, kv head) units are processed in waves of 2 x threads units, so the chunk factors held at
+// once are bounded by the wave, not by B x H (forward units are independent: waves never change results).
 template <typename T, bool kPath>
 Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
-  const int64_t H = pr_.H;
-  std::vector<KvState<T>> states(pr_.seqs.size() * H);
-  parallel_for(int64_t(states.size()), nt_, [&](int64_t u) {
-    prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[u / H], u % H, &states[u]);
-  });
-  // Work units (sequence, query head, query chunk), costliest (latest chunks) first for load balance.
-  struct Unit { int64_t seq, hq, qc; };
+  const int64_t H = pr_.H, nkv = int64_t(pr_.seqs.size()) * H;
+  const int64_t wave = std::min<int64_t>(nkv, 2 * resolve_threads(nt_));
+  std::vector<KvState<T>> states(wave);
+  struct Unit { int64_t kv, slot, hq, qc; };
   std::vector<Unit> units;
-  for (int64_t i = 0; i < int64_t(pr_.seqs.size()); ++i)
-    for (int64_t hq = 0; hq < pr_.HQ; ++hq)
-      for (int64_t qc = 0; qc < states[i * H].nc; ++qc) units.push_back({i, hq, qc});
-  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.qc > b.qc; });
-  parallel_for(int64_t(units.size()), nt_, [&](int64_t u) {
-    const Unit& x = units[u];
-    forward_chunk(p, pr_.seqs[x.seq], x.hq, states[x.seq * H + x.hq / pr_.group], x.qc);
-  });
+  for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
+    const int64_t nw = std::min(wave, nkv - w0);
+    parallel_for(nw, nt_, [&](int64_t i) {
+      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, &states[i]);
+    });
+    // Work units (kv unit, query head, query chunk), costliest (latest chunks) first for load balance.
+    units.clear();
+    for (int64_t i = 0; i < nw; ++i) {
+      const int64_t h = (w0 + i) % H;
+      for (int64_t hq = h * pr_.group; hq < (h + 1) * pr_.group; ++hq)
+        for (int64_t qc = 0; qc < states[i].nc; ++qc) units.push_back({w0 + i, i, hq, qc});
+    }
+    std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.qc > b.qc; });
+    parallel_for(int64_t(units.size()), nt_, [&](int64_t u) {
+      const Unit& x = units[u];
+      forward_chunk(p, pr_.seqs[x.kv / H], x.hq, states[x.slot], x.qc);
+    });
+  }
   return Status::Ok();
 }
 
@@ -532,76 +541,78 @@ void FastPath<T, kPath>::backward_kv_chunk(const KvState<T>& s, int64_t c, Grads
 
 template <typename T, bool kPath>
 Status FastPath<T, kPath>::backward(const PathBwdParams& p) {
-  const int64_t H = pr_.H, K = K_, V = V_, C = C_, nseq = int64_t(pr_.seqs.size());
-  std::vector<KvState<T>> states(nseq * H);
-  parallel_for(int64_t(states.size()), nt_, [&](int64_t u) {
-    prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[u / H], u % H, &states[u]);
-  });
+  const int64_t H = pr_.H, K = K_, V = V_, C = C_, nkv = int64_t(pr_.seqs.size()) * H;
   // Work units: (sequence, kv head, slice). A slice takes the query chunks qc with qc % nslice == slice of
   // every query head of the group and owns private accumulators, reduced in slice order afterwards. nslice
   // depends on the problem only, never on the thread count, so results are bitwise thread-count invariant.
-  const int64_t nkv = nseq * H;
   int64_t max_nc = 0;
-  for (const auto& s : states) max_nc = std::max(max_nc, s.nc);
+  for (const Seq& sq : pr_.seqs) max_nc = std::max(max_nc, (sq.len + C - 1) / C);
   const int64_t nslice = std::max<int64_t>(1, std::min<int64_t>(max_nc, (16 + nkv - 1) / nkv));
-  std::vector<Grads> grads(nkv * nslice);
-  parallel_for(nkv * nslice, nt_, [&](int64_t u) {
-    const int64_t kv = u / nslice, sl = u % nslice;
-    const KvState<T>& s = states[kv];
-    Grads& g = grads[u];
-    const int64_t L = s.L;
-    g.dk.assign(L * K, T(0));
-    g.dv.assign(L * V, T(0));
-    if (kPath) {
-      g.dkt.assign(L * K, T(0));
-      g.dw.assign(L * K, T(0));
-      g.dw2.assign(L * K, T(0));
-      g.dU.assign(s.nc * C * C, T(0));
-      g.dP.assign(s.nc * K * K, T(0));
-    }
-    if (pr_.gate) g.dG.assign(pr_.group * L, T(0));
-    std::vector<T> snap;
-    const int64_t h = kv % H;
-    for (int64_t hq = h * pr_.group; hq < (h + 1) * pr_.group; ++hq)
-      for (int64_t qc = sl; qc < s.nc; qc += nslice) backward_chunk(p, pr_.seqs[kv / H], hq, s, qc, &g, &snap);
-  });
-  // Reduce slices into slice 0 (fixed order), then the chunk-factor backward and the stores.
-  parallel_for(nkv, nt_, [&](int64_t kv) {
-    Grads& g0 = grads[kv * nslice];
-    auto add = [](std::vector<T>& a, const std::vector<T>& b) {
-      for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-    };
-    for (int64_t sl = 1; sl < nslice; ++sl) {
-      Grads& gs = grads[kv * nslice + sl];
-      add(g0.dk, gs.dk);
-      add(g0.dv, gs.dv);
-      add(g0.dkt, gs.dkt);
-      add(g0.dw, gs.dw);
-      add(g0.dw2, gs.dw2);
-      add(g0.dU, gs.dU);
-      add(g0.dP, gs.dP);
-      add(g0.dG, gs.dG);
-      gs = Grads();
-    }
-    const KvState<T>& s = states[kv];
-    const Seq& sq = pr_.seqs[kv / H];
-    const int64_t h = kv % H, L = s.L;
-    if (kPath) {
-      std::vector<T> dbeta(L);
-      for (int64_t c = 0; c < s.nc; ++c) backward_kv_chunk(s, c, &g0, &dbeta[c * C]);
-      core::store_rows(p.dw, sq.b, sq.t0, L, h, K, g0.dw.data(), K);
-      core::store_col(p.dbeta, sq.b, sq.t0, L, h, dbeta.data());
-    }
-    core::store_rows(p.dk, sq.b, sq.t0, L, h, K, g0.dk.data(), K);
-    core::store_rows(p.dv, sq.b, sq.t0, L, h, V, g0.dv.data(), V);
-    if (pr_.gate) {
-      for (int64_t j = 0; j < pr_.group; ++j) {
-        T* dG = &g0.dG[j * L];
-        for (int64_t t = L - 2; t >= 0; --t) dG[t] += dG[t + 1];
-        core::store_col(p.dg, sq.b, sq.t0, L, h * pr_.group + j, dG);
+  const int64_t wave = std::min<int64_t>(nkv, std::max<int64_t>(1, 2 * resolve_threads(nt_) / nslice));
+  std::vector<KvState<T>> states(wave);
+  std::vector<Grads> grads(wave * nslice);
+  for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
+    const int64_t nw = std::min(wave, nkv - w0);
+    parallel_for(nw, nt_, [&](int64_t i) {
+      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, &states[i]);
+    });
+    parallel_for(nw * nslice, nt_, [&](int64_t u) {
+      const int64_t i = u / nslice, sl = u % nslice, kv = w0 + i;
+      const KvState<T>& s = states[i];
+      Grads& g = grads[u];
+      const int64_t L = s.L;
+      g.dk.assign(L * K, T(0));
+      g.dv.assign(L * V, T(0));
+      if (kPath) {
+        g.dkt.assign(L * K, T(0));
+        g.dw.assign(L * K, T(0));
+        g.dw2.assign(L * K, T(0));
+        g.dU.assign(s.nc * C * C, T(0));
+        g.dP.assign(s.nc * K * K, T(0));
       }
-    }
-  });
+      if (pr_.gate) g.dG.assign(pr_.group * L, T(0));
+      std::vector<T> snap;
+      const int64_t h = kv % H;
+      for (int64_t hq = h * pr_.group; hq < (h + 1) * pr_.group; ++hq)
+        for (int64_t qc = sl; qc < s.nc; qc += nslice) backward_chunk(p, pr_.seqs[kv / H], hq, s, qc, &g, &snap);
+    });
+    // Reduce slices into slice 0 (fixed order), then the chunk-factor backward and the stores.
+    parallel_for(nw, nt_, [&](int64_t i) {
+      Grads& g0 = grads[i * nslice];
+      auto add = [](std::vector<T>& a, const std::vector<T>& b) {
+        for (size_t j = 0; j < a.size(); ++j) a[j] += b[j];
+      };
+      for (int64_t sl = 1; sl < nslice; ++sl) {
+        const Grads& gs = grads[i * nslice + sl];
+        add(g0.dk, gs.dk);
+        add(g0.dv, gs.dv);
+        add(g0.dkt, gs.dkt);
+        add(g0.dw, gs.dw);
+        add(g0.dw2, gs.dw2);
+        add(g0.dU, gs.dU);
+        add(g0.dP, gs.dP);
+        add(g0.dG, gs.dG);
+      }
+      const KvState<T>& s = states[i];
+      const Seq& sq = pr_.seqs[(w0 + i) / H];
+      const int64_t h = (w0 + i) % H, L = s.L;
+      if (kPath) {
+        std::vector<T> dbeta(L);
+        for (int64_t c = 0; c < s.nc; ++c) backward_kv_chunk(s, c, &g0, &dbeta[c * C]);
+        core::store_rows(p.dw, sq.b, sq.t0, L, h, K, g0.dw.data(), K);
+        core::store_col(p.dbeta, sq.b, sq.t0, L, h, dbeta.data());
+      }
+      core::store_rows(p.dk, sq.b, sq.t0, L, h, K, g0.dk.data(), K);
+      core::store_rows(p.dv, sq.b, sq.t0, L, h, V, g0.dv.data(), V);
+      if (pr_.gate) {
+        for (int64_t j = 0; j < pr_.group; ++j) {
+          T* dG = &g0.dG[j * L];
+          for (int64_t t = L - 2; t >= 0; --t) dG[t] += dG[t + 1];
+          core::store_col(p.dg, sq.b, sq.t0, L, h * pr_.group + j, dG);
+        }
+      }
+    });
+  }
   return Status::Ok();
 }
 
