@@ -1,0 +1,36 @@
+// engine/repro.h: the paper's synthetic experiments as commands (REPRO.md): flip-flop (Table 1), the A5 word
+// problem and MQRAR-N (Figure 2). Each trains its models from an embedded default config (configs/*.json),
+// prints a table beside the paper's numbers and writes table.md / results.json into its output directory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace pathattn::engine {
+
+struct ReproOptions {
+  std::string out_dir;              // runs go to <out_dir>/<model>_s<seed>[...]; table.md, results.json
+  std::string preset;               // embedded config name; empty: the command's default
+  nlohmann::json overlay = nlohmann::json::object();  // applied on top of the preset (same schema)
+  std::vector<std::string> models;  // attention kinds; empty: the command's default
+  std::vector<uint64_t> seeds = {1};
+  std::vector<int> lengths;         // a5: word lengths (default 5 10 15 20)
+  int max_layers = 4;               // a5: deepest model tried
+  std::vector<int> n_backs;         // mqrar: N values (default 1 2 3 4)
+  bool progress = true;
+};
+
+// Each returns the results as JSON and prints the table to stdout. Throws EngineError.
+nlohmann::json repro_flipflop(const ReproOptions& o);
+nlohmann::json repro_a5(const ReproOptions& o);
+nlohmann::json repro_mqrar(const ReproOptions& o);
+
+// Samples `n` tokens after `prompt` from a checkpoint (temperature 0: greedy; top_k 0: no cut). Returns the
+// decoded continuation. Re-runs the full forward per token (fine for the small models trained here).
+std::string sample_checkpoint(const std::string& path, const std::string& prompt, int n, double temperature,
+                              int top_k, uint64_t seed, const std::string& backend, int threads);
+
+}  // namespace pathattn::engine

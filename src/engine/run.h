@@ -1,0 +1,50 @@
+// engine/run.h: training runs and evaluation. A run directory holds config.json, metrics.jsonl (JSON lines),
+// ckpt.safetensors (latest checkpoint, replaced atomically) and plot.svg (loss and test-metric curves).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/config.h"
+#include "engine/model.h"
+#include "engine/tasks.h"
+
+namespace pathattn::engine {
+
+struct RunOptions {
+  std::string out_dir;        // run directory (created); empty: no files at all (tests, benchmarks)
+  std::string resume;         // checkpoint to continue from (its config is used; `config` is ignored)
+  int64_t stop_after = -1;    // stop once this many steps are done (a checkpoint is written), as if killed
+  bool progress = true;       // progress bar on stderr
+  std::string label = "train";
+};
+
+struct RunResult {
+  RunConfig config;           // resolved (vocab from the task)
+  int64_t start_step = 0, steps_done = 0;
+  bool finished = false;      // all config.train.steps done
+  double last_loss = 0;       // training loss of the last step run (bitwise comparable across resumes)
+  double train_seconds = 0, steps_per_s = 0;
+  nlohmann::json eval;        // final evaluation {set: {loss, accuracy, error?, count}} (when finished)
+  std::vector<float> params_f32;   // final parameters (f32 runs), for determinism checks
+  std::vector<double> params_f64;  // final parameters (f64 runs)
+};
+
+// Fills defaults that depend on the task (vocab_size, seq_len) and validates the config.
+RunConfig resolve_config(RunConfig c, const Task& task);
+Backend parse_backend(const std::string& s);
+
+// Trains per `cfg` (or the checkpoint in opt.resume). Throws EngineError.
+RunResult train_run(const RunConfig& cfg, const RunOptions& opt);
+
+// Evaluates `model` on every test set of `task`, `batch` sequences at a time:
+// {"<set>": {"loss": mean CE at scored positions, "accuracy": ..., "error": 1 - accuracy (flip-flop), "count": n}}.
+template <typename T>
+nlohmann::json evaluate(Model<T>& model, const Task& task, int64_t batch);
+
+// Evaluates a checkpoint (its own config and task); `sets_override` > 0 replaces each test set's size.
+nlohmann::json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads);
+
+}  // namespace pathattn::engine
