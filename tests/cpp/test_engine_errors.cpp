@@ -1,0 +1,193 @@
+// tests/cpp/test_engine_errors.cpp: malformed configs, checkpoints and data files are rejected with messages
+// that say what is wrong (the key, the defect); nothing is half-loaded, and a failed write leaves the old file.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/checkpoint.h"
+#include "engine/config.h"
+#include "engine/embedded.h"
+#include "engine/run.h"
+#include "engine/tasks.h"
+
+namespace pathattn::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string temp_dir(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("pathattn_engine_err_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+void write(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << bytes;
+}
+
+std::string read(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// Expects `fn` to throw EngineError whose message contains every fragment.
+template <typename F>
+void expect_error(F&& fn, std::initializer_list<const char*> fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << *fragments.begin() << "\"";
+  } catch (const EngineError& e) {
+    const std::string m = e.what();
+    for (const char* f : fragments) EXPECT_NE(m.find(f), std::string::npos) << "message: " << m << "\nlacks: " << f;
+  }
+}
+
+TEST(EngineErrors, MalformedConfigs) {
+  expect_error([] { parse_config_text("{\"model\": {\"d_model\": 64,}", "c.json"); }, {"c.json", "not valid JSON"});
+  expect_error([] { parse_config_text("[1, 2]", "c.json"); }, {"top level"});
+  expect_error([] { parse_config_text("{\"modle\": {}}", "c.json"); }, {"config.modle", "unknown section"});
+  expect_error([] { parse_config_text("{\"model\": {\"dmodel\": 64}}", "c.json"); }, {"model.dmodel", "unknown key"});
+  expect_error([] { parse_config_text("{\"train\": {\"lr\": \"fast\"}}", "c.json"); }, {"train.lr", "a number"});
+  expect_error([] { parse_config_text("{\"train\": {\"lr\": -1}}", "c.json"); }, {"train.lr", "(0, 10]"});
+  expect_error([] { parse_config_text("{\"train\": {\"steps\": 1.5}}", "c.json"); }, {"train.steps", "integer"});
+  expect_error([] { parse_config_text("{\"model\": {\"attn\": \"alibi\"}}", "c.json"); }, {"model.attn", "rope"});
+  expect_error([] { parse_config_text("{\"task\": {\"name\": \"copy\"}}", "c.json"); }, {"task.name", "flipflop"});
+  expect_error([] { parse_config_text("{\"model\": []}", "c.json"); }, {"model", "JSON object"});
+  expect_error([] { load_config_file("/nonexistent/dir/cfg.json"); }, {"cannot open config file"});
+  // Cross-field checks once the task is known.
+  RunConfig c;
+  c.model.d_model = 60;  // head dim 30: not a multiple of 8
+  expect_error([&] { resolve_config(c, *make_task(c.task)); }, {"model.head_dim", "multiple of 8"});
+  c = RunConfig();
+  c.model.n_head = 4;
+  c.model.n_kv_head = 3;
+  c.model.head_dim = 16;
+  expect_error([&] { resolve_config(c, *make_task(c.task)); }, {"model.n_kv_head", "divide"});
+  c = RunConfig();
+  c.model.vocab_size = 3;
+  expect_error([&] { resolve_config(c, *make_task(c.task)); }, {"model.vocab_size", "smaller"});
+  // Every embedded config parses and resolves.
+  for (const std::string& n : embedded_config_names()) {
+    if (n.rfind("bytes", 0) == 0) continue;  // needs a data file
+    const RunConfig rc = parse_config_text(embedded_config(n), n);
+    EXPECT_NO_THROW(resolve_config(rc, *make_task(rc.task))) << n;
+  }
+}
+
+TEST(EngineErrors, MalformedDataFiles) {
+  const std::string d = temp_dir("data");
+  TaskConfig t;
+  t.name = "bytes";
+  expect_error([&] { make_task(t); }, {"task.files", "at least one"});
+  t.files = {d + "/missing.txt"};
+  expect_error([&] { make_task(t); }, {"task.files", "cannot open", "missing.txt"});
+  write(d + "/empty.txt", "");
+  t.files = {d + "/empty.txt"};
+  expect_error([&] { make_task(t); }, {"empty.txt", "is empty"});
+  write(d + "/short.txt", std::string(300, 'a'));
+  t.files = {d + "/short.txt"};
+  t.seq_len = 64;
+  expect_error([&] { make_task(t); }, {"validation split", "task.seq_len"});
+  write(d + "/ok.txt", std::string(5000, 'b'));
+  t.files = {d + "/ok.txt"};
+  auto task = make_task(t);
+  EXPECT_EQ(task->vocab_size(), 256);
+  fs::remove_all(d);
+}
+
+class EngineCheckpointErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir = temp_dir("ckpt");
+    RunConfig c;
+    c.model.d_model = 16;
+    c.model.head_dim = 8;
+    c.task.seq_len = 16;
+    c.task.eval_id = c.task.eval_sparse = c.task.eval_dense = 2;
+    c.train.steps = 2;
+    c.train.batch_size = 2;
+    RunOptions ro;
+    ro.out_dir = dir;
+    ro.progress = false;
+    train_run(c, ro);
+    good = read(dir + "/ckpt.safetensors");
+    ASSERT_GT(good.size(), 64u);
+  }
+  void TearDown() override { fs::remove_all(dir); }
+  std::string dir, good;
+};
+
+TEST_F(EngineCheckpointErrors, RejectsBadFiles) {
+  const std::string p = dir + "/bad.safetensors";
+  expect_error([&] { read_checkpoint(dir + "/nope.safetensors"); }, {"cannot open"});
+  write(p, "");
+  expect_error([&] { read_checkpoint(p); }, {"not a valid safetensors file", "truncated"});
+  write(p, good.substr(0, good.size() / 2));  // truncated mid-data
+  expect_error([&] { read_checkpoint(p); }, {"not a valid safetensors file"});
+  write(p, good.substr(0, 100));  // truncated mid-header
+  expect_error([&] { read_checkpoint(p); }, {"header length"});
+  std::string flipped = good;
+  flipped[flipped.size() - 5] ^= 0x40;  // one bit of tensor data
+  write(p, flipped);
+  expect_error([&] { read_checkpoint(p); }, {"corrupt", "checksum"});
+  std::string garbage_header = good;
+  garbage_header[8] = '#';  // the header's opening brace
+  write(p, garbage_header);
+  expect_error([&] { read_checkpoint(p); }, {"not valid JSON"});
+  write(p, "PK\x03\x04 this is a zip file, not a checkpoint at all........");
+  expect_error([&] { read_checkpoint(p); }, {"header length"});
+  // A valid safetensors file from elsewhere: no pathattn-engine metadata.
+  const float x[4] = {1, 2, 3, 4};
+  write_safetensors(p, {{"weight", "F32", {2, 2}, x, 16}}, {{"format", "pt"}});
+  expect_error([&] { read_checkpoint(p); }, {"not a pathattn-engine checkpoint", "\"pt\""});
+  // Offsets past the data section.
+  {
+    std::string hdr = "{\"w\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}";
+    std::string f(8, '\0');
+    for (int i = 0; i < 8; ++i) f[i] = char((hdr.size() >> (8 * i)) & 0xff);
+    write(p, f + hdr + std::string(8, '\0'));
+    expect_error([&] { read_checkpoint(p); }, {"outside the 8-byte data section"});
+  }
+  // Shape / dtype disagreement.
+  {
+    std::string hdr = "{\"w\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,16]}}";
+    std::string f(8, '\0');
+    for (int i = 0; i < 8; ++i) f[i] = char((hdr.size() >> (8 * i)) & 0xff);
+    write(p, f + hdr + std::string(16, '\0'));
+    expect_error([&] { read_checkpoint(p); }, {"needs 12"});
+    hdr = "{\"w\":{\"dtype\":\"Q4\",\"shape\":[4],\"data_offsets\":[0,16]}}";
+    for (int i = 0; i < 8; ++i) f[i] = char((hdr.size() >> (8 * i)) & 0xff);
+    write(p, f + hdr + std::string(16, '\0'));
+    expect_error([&] { read_checkpoint(p); }, {"unsupported dtype Q4"});
+  }
+  // A good checkpoint of another model shape: restore names the tensor and both shapes.
+  const CheckpointInfo ck = read_checkpoint(dir + "/ckpt.safetensors");
+  ModelConfig other = ck.config.model;
+  other.vocab_size = 5;
+  other.d_model = 24;
+  Model<float> m(other);
+  expect_error([&] { restore_checkpoint(ck, m, (AdamW<float>*)nullptr); }, {"wte", "shape", "[5, 24]"});
+  Model<double> md(ck.config.model.vocab_size ? ck.config.model : other);
+  expect_error([&] { restore_checkpoint(ck, md, (AdamW<double>*)nullptr); }, {"F32", "expected F64"});
+}
+
+TEST_F(EngineCheckpointErrors, FailedWriteKeepsOldFile) {
+  // Writing into a path whose temp file cannot be created fails and leaves the existing checkpoint intact.
+  const std::string p = dir + "/ckpt.safetensors";
+  fs::create_directories(p + ".tmp");  // a directory where the temp file would go
+  const float x[1] = {1};
+  expect_error([&] { write_safetensors(p, {{"w", "F32", {1}, x, 4}}, {}); }, {"cannot create"});
+  EXPECT_EQ(read(p), good);
+  EXPECT_NO_THROW(read_checkpoint(p));
+}
+
+}  // namespace
+}  // namespace pathattn::engine
