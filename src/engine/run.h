@@ -44,7 +44,7 @@ RunResult train_run(const RunConfig& cfg, const RunOptions& opt);
 template <typename T>
 nlohmann::json evaluate(Model<T>& model, const Task& task, int64_t batch);
 
-// Evaluates a checkpoint (its own config and task); `sets_override` > 0 replaces each test set's size.
+// Evaluates a checkpoint on its own task's test sets: {"checkpoint", "step", "task", "attn", "eval": {...}}.
 nlohmann::json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads);
 
 }  // namespace pathattn::engine

@@ -10,6 +10,8 @@
 
 #include <unistd.h>
 
+#include <cblas.h>
+
 #include "engine/checkpoint.h"
 #include "engine/optim.h"
 #include "engine/run.h"
@@ -19,6 +21,14 @@ namespace pathattn::engine {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The tiny models here gain nothing from threads, and idle OpenMP threads spinning between the many short
+// parallel regions slow a shared CI machine several-fold: run BLAS and the attention op single-threaded.
+class SingleThreaded : public ::testing::Environment {
+ public:
+  void SetUp() override { openblas_set_num_threads(1); }
+};
+const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new SingleThreaded);
 
 std::string temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("pathattn_engine_" + name + "_" + std::to_string(::getpid()));
@@ -44,6 +54,7 @@ RunConfig tiny_flipflop(AttnKind attn) {
   c.train.lr = 1e-2;
   c.train.warmup_steps = 10;
   c.train.log_every = 10;
+  c.train.threads = 1;
   return c;
 }
 
