@@ -471,14 +471,18 @@ INSTANTIATE_TEST_SUITE_P(Long, DecodeEqualsForward64,
 // fp32 inputs, fp32 cache, against the fp64 oracle on the same (f32-valued) inputs.
 //
 // Bound. One decode step rounds every cached key once: fl(kc - beta (w . kc) w) = H kc + d with
-// ||d|| <= c u ||kc||, u = 2^-24, c ~ K/8 + 4 (eight-lane dot product, one multiply-add per element). With
-// ||H|| <= 1 old errors are never amplified, so after n steps a key is off by at most n c u ||k|| (a random
-// walk gives ~sqrt(n) c u ||k|| in practice). A logit moves by scale * q . d <= ||d|| (scale = K^-1/2,
-// ||q|| ~ sqrt(K)), and the output by at most that much times the spread of v. The fp32 gate cumsum adds
-// ~ (i - j) u |G| to a score. For n = 2000, K = 16..32 the worst case is ~ 2000 * 8 * 6e-8 * 6 ~ 6e-3; the
-// measured errors (printed; docs/numerics.md) are far below it: the bound asserted is the largest measured
-// value over these cases times ~10.
-constexpr double kF32DecodeBound = 1.5e-4;
+// ||d|| <= c u ||kc||, u = 2^-24, c ~ K/16 + 4 (sixteen-lane dot product, one multiply-add per element).
+// With ||H|| <= 1 old errors are never amplified, so after n steps a key is off by at most n c u ||k|| (a
+// random walk gives ~ sqrt(n) c u ||k|| in practice). A logit moves by scale * q . d <= ||d|| (scale = K^-1/2,
+// ||q|| ~ sqrt(K)), and the output by at most that much times the spread of v. The gate cumsum is stored in
+// fp32 too: G_t grows like t |g| (about 0.05 t here), so G_i - G_j carries ~ u |G| of rounding, which
+// grows with t and does not cancel. Worst case for n = 2000, K = 16..32: ~ 2000 * 6 * 6e-8 * 6 ~ 4e-3.
+// Measured maxima over 2000 steps (max over steps of max|o - o_ref| / max|o_ref| per row):
+//   no gate: 2.4e-6 (u(0,2)), 2.9e-6 (near 2), 5.8e-6 (beta = 2);
+//   gate:    1.2e-5 and 1.8e-5 (u(0,2), two seeds), 1.5e-5 with beta = 0 (no transport at all: the fp32
+//            gate cumsum alone), so the gate, not the key transport, dominates the fp32 error.
+// Asserted: ~10x the largest measured value.
+constexpr double kF32DecodeBound = 2e-4;
 
 class DecodeEqualsForward32 : public ::testing::TestWithParam<DecodeSpec> {};
 
@@ -503,6 +507,8 @@ TEST_P(DecodeEqualsForward32, Fp32Cache) {
 
 INSTANTIATE_TEST_SUITE_P(Long, DecodeEqualsForward32,
                          ::testing::Values(dspec(16, true, BetaMode::uniform02, 31, 37, 2000, DType::f32),
+                                           dspec(16, false, BetaMode::uniform02, 31, 37, 2000, DType::f32),
+                                           dspec(16, true, BetaMode::zero, 31, 37, 2000, DType::f32),
                                            dspec(32, false, BetaMode::near2, 32, 5, 2000, DType::f32),
                                            dspec(16, false, BetaMode::two, 33, 3, 2000, DType::f32)),
                          [](const auto& info) { return "case" + std::to_string(info.index); });
