@@ -119,6 +119,18 @@ double row_grad(double* s, double* dp, int64_t m, int64_t keep, double lse, doub
   return sum;
 }
 
+// S[r * ld + j] += gs (G[r0 + r] - G[k0 + j]) for r < n, j < m. G is the fp64 cumsum; both terms are taken
+// relative to G[r0] before rounding to T, so the rounding error scales with the gate difference itself and
+// not with |G|, which grows linearly along the sequence.
+template <typename T>
+void add_gate(const double* G, int64_t r0, int64_t n, int64_t k0, int64_t m, double gs, T* S, int64_t ld) {
+  T gq[1024], gk[1024];  // n, m <= chunk size <= 1024
+  for (int64_t r = 0; r < n; ++r) gq[r] = T(gs * (G[r0 + r] - G[r0]));
+  for (int64_t j = 0; j < m; ++j) gk[j] = T(gs * (G[k0 + j] - G[r0]));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < m; ++j) S[r * ld + j] += gq[r] - gk[j];
+}
+
 template <typename T>
 void fill_zero(T* x, int64_t n) {
   std::fill(x, x + n, T(0));
@@ -170,7 +182,8 @@ struct KvState {
   int64_t L = 0, nc = 0;
   std::vector<T> k, v, w, beta;       // [L, K], [L, V], [L, K], [L]
   std::vector<T> E, U, P, W2, kt;     // [nc, C, C], [nc, C, C], [nc, K, K], [L, K], [L, K]
-  std::vector<std::vector<T>> G;      // per query head of the group: inclusive gate cumsum [L] (empty: no gate)
+  std::vector<std::vector<double>> G; // per query head of the group: inclusive gate cumsum [L], fp64 (|G|
+                                      // grows with t; see add_gate) (empty: no gate)
 };
 
 template <typename T, bool kPath>
@@ -295,8 +308,8 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
                                        int64_t qc) const {
   const int64_t K = K_, V = V_, C = C_, r0 = qc * C, cl = chunk_len(s, qc);
   const int64_t gi = hq % pr_.group;
-  const T scale = T(pr_.scale), gs = T(pr_.gate_scale);
-  const T* Gq = pr_.gate ? s.G[gi].data() : nullptr;
+  const T scale = T(pr_.scale);
+  const double* Gq = pr_.gate ? s.G[gi].data() : nullptr;
   std::vector<T> Q(cl * K), qt(cl * K), tmp(cl * K), S(cl * C), X(kPath ? cl * C : 0), acc(cl * V, T(0));
   std::vector<T> mx(cl, -std::numeric_limits<T>::infinity()), l(cl, T(0));
   core::load_rows(p.q, sq.b, sq.t0 + r0, cl, hq, K, Q.data(), K);
@@ -311,10 +324,10 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
   } else {
     qt = Q;
   }
+  for (int64_t i = 0; i < cl * cl; ++i) S[i] *= scale;
+  if (Gq) add_gate(Gq, r0, cl, r0, cl, pr_.gate_scale, S.data(), cl);
   for (int64_t r = 0; r < cl; ++r)
-    for (int64_t j = 0; j < cl; ++j)
-      S[r * cl + j] = j <= r ? scale * S[r * cl + j] + (Gq ? gs * (Gq[r0 + r] - Gq[r0 + j]) : T(0))
-                             : -std::numeric_limits<T>::infinity();
+    for (int64_t j = r + 1; j < cl; ++j) S[r * cl + j] = -std::numeric_limits<T>::infinity();
   softmax_update(S.data(), cl, cl, mx.data(), l.data(), acc.data(), &s.v[r0 * V]);
   const T* keys = kPath ? s.kt.data() : s.k.data();
   for (int64_t kc = qc - 1; kc >= 0; --kc) {
@@ -324,9 +337,7 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
     }
     const int64_t k0 = kc * C;  // key chunk kc is always full (only the last chunk is partial)
     gemm(false, true, cl, C, K, scale, qt.data(), K, &keys[k0 * K], K, T(0), S.data(), C);
-    if (Gq)
-      for (int64_t r = 0; r < cl; ++r)
-        for (int64_t j = 0; j < C; ++j) S[r * C + j] += gs * (Gq[r0 + r] - Gq[k0 + j]);
+    if (Gq) add_gate(Gq, r0, cl, k0, C, pr_.gate_scale, S.data(), C);
     softmax_update(S.data(), cl, C, mx.data(), l.data(), acc.data(), &s.v[k0 * V]);
   }
   std::vector<T> lse(cl);
@@ -379,7 +390,7 @@ void FastPath<T, kPath>::backward_chunk(const PathBwdParams& p, const Seq& sq, i
   const int64_t K = K_, V = V_, C = C_, r0 = qc * C, cl = chunk_len(s, qc);
   const int64_t gi = hq % pr_.group;
   const T scale = T(pr_.scale), gs = T(pr_.gate_scale);
-  const T* Gq = pr_.gate ? s.G[gi].data() : nullptr;
+  const double* Gq = pr_.gate ? s.G[gi].data() : nullptr;
   T* dG = pr_.gate ? &gr->dG[gi * s.L] : nullptr;
   std::vector<T> Q(cl * K), qt(cl * K), O(cl * V), dO(cl * V), lse(cl), delta(cl, T(0));
   std::vector<T> S(cl * C), dP(cl * C), X(kPath ? cl * C : 0), dX(kPath ? cl * C : 0);
@@ -414,9 +425,8 @@ void FastPath<T, kPath>::backward_chunk(const PathBwdParams& p, const Seq& sq, i
     gemm(false, false, cl, cl, cl, T(-1), X.data(), cl, &s.U[qc * C * C], C, T(1), S.data(), cl);
     gemm(false, false, cl, K, cl, T(-1), X.data(), cl, &s.W2[r0 * K], K, T(1), qt.data(), K);
   }
-  for (int64_t r = 0; r < cl; ++r)
-    for (int64_t j = 0; j < cl; ++j)
-      S[r * cl + j] = scale * S[r * cl + j] + (Gq ? gs * (Gq[r0 + r] - Gq[r0 + j]) : T(0));
+  for (int64_t i = 0; i < cl * cl; ++i) S[i] *= scale;
+  if (Gq) add_gate(Gq, r0, cl, r0, cl, pr_.gate_scale, S.data(), cl);
   grad_block(cl, r0, true);
   // dAloc = scale dS (lower incl.): dQ += dA K; dK_direct += dA^T Q; dX = -dA U^T; dU += -X^T dA.
   gemm(false, false, cl, K, cl, scale, dP.data(), cl, &s.k[r0 * K], K, T(1), dQ.data(), K);
@@ -445,9 +455,7 @@ void FastPath<T, kPath>::backward_chunk(const PathBwdParams& p, const Seq& sq, i
       std::swap(gbar, tmp);
     }
     gemm(false, true, cl, C, K, scale, qk, K, &keys[k0 * K], K, T(0), S.data(), C);
-    if (Gq)
-      for (int64_t r = 0; r < cl; ++r)
-        for (int64_t j = 0; j < C; ++j) S[r * C + j] += gs * (Gq[r0 + r] - Gq[k0 + j]);
+    if (Gq) add_gate(Gq, r0, cl, k0, C, pr_.gate_scale, S.data(), C);
     grad_block(C, k0, false);
     gemm(false, false, cl, K, C, scale, dP.data(), C, &keys[k0 * K], K, T(1), gbar.data(), K);
     gemm(true, false, C, K, cl, scale, dP.data(), C, qk, K, T(1), &dkeys[k0 * K], K);
@@ -606,9 +614,11 @@ Status FastPath<T, kPath>::backward(const PathBwdParams& p) {
       core::store_rows(p.dv, sq.b, sq.t0, L, h, V, g0.dv.data(), V);
       if (pr_.gate) {
         for (int64_t j = 0; j < pr_.group; ++j) {
-          T* dG = &g0.dG[j * L];
-          for (int64_t t = L - 2; t >= 0; --t) dG[t] += dG[t + 1];
-          core::store_col(p.dg, sq.b, sq.t0, L, h * pr_.group + j, dG);
+          // dg_u = sum_{t >= u} dG_t, accumulated in fp64.
+          std::vector<double> dg(L);
+          double acc = 0;
+          for (int64_t t = L - 1; t >= 0; --t) dg[t] = acc += double(g0.dG[j * L + t]);
+          core::store_col(p.dg, sq.b, sq.t0, L, h * pr_.group + j, dg.data());
         }
       }
     });
