@@ -1,0 +1,38 @@
+# cmake/cuda.cmake: the CUDA backend (included by the top CMakeLists.txt when PATHATTN_CUDA=ON).
+# Compiles src/cuda/*.cu for sm_90a (H100/H200) and sm_80 (A100) with explicit -gencode flags (the
+# architecture-specific "a" target needs them on CMake < 3.28), adds the objects to `pathattn`, defines
+# PATHATTN_WITH_CUDA for the dispatcher, and builds `pathattn_capi`, a small C ABI shared library for
+# benchmarks that hold device pointers (bench/gpu_bench.py loads it with ctypes).
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES OFF)  # the -gencode flags below choose the targets
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+set(CMAKE_CUDA_STANDARD 17)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+set(PATHATTN_CUDA_GENCODE "-gencode=arch=compute_90a,code=sm_90a;-gencode=arch=compute_80,code=sm_80"
+    CACHE STRING "nvcc -gencode flags of the CUDA backend")
+
+set(PATHATTN_CUDA_SOURCES
+  src/cuda/backend.cu
+  src/cuda/prep.cu
+  src/cuda/fwd.cu
+  src/cuda/bwd_q.cu
+  src/cuda/bwd_k.cu
+  src/cuda/bwd_chunk.cu
+)
+add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
+set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
+target_include_directories(pathattn_cuda PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
+target_compile_options(pathattn_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3 --expt-relaxed-constexpr>)
+
+target_sources(pathattn PRIVATE $<TARGET_OBJECTS:pathattn_cuda>)
+set_target_properties(pathattn PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17)
+target_compile_definitions(pathattn PRIVATE PATHATTN_WITH_CUDA)
+target_link_libraries(pathattn PUBLIC CUDA::cudart)
+
+add_library(pathattn_capi SHARED src/cuda/capi.cu src/core/validate.cpp $<TARGET_OBJECTS:pathattn_cuda>)
+set_target_properties(pathattn_capi PROPERTIES CUDA_ARCHITECTURES OFF)
+target_include_directories(pathattn_capi PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
+target_compile_options(pathattn_capi PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3>)
+target_link_libraries(pathattn_capi PRIVATE CUDA::cudart_static)

@@ -1,0 +1,266 @@
+// cuda/backend.cu: the adapter layer of the CUDA backend. Checks what the kernels support, builds the
+// chunk table (host) and copies it to the device, fills KernelParams from the validated core::Problem,
+// allocates the workspace stream-ordered (cudaMallocAsync: every buffer is O(T), none O(T^2)), and runs
+// the launch sequence on the caller's stream.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/launchers.h"
+
+namespace pathattn::cuda {
+namespace {
+
+Status unsupported(const std::string& m) { return Status(Status::Code::unsupported, m); }
+Status internal(const std::string& m) { return Status(Status::Code::internal, m); }
+
+#define PA_CU(expr)                                                                              \
+  do {                                                                                           \
+    cudaError_t _e = (expr);                                                                     \
+    if (_e != cudaSuccess) return internal(std::string("cuda: ") + #expr + ": " + cudaGetErrorString(_e)); \
+  } while (0)
+
+// Stream-ordered allocations released together (also on early error returns).
+class Workspace {
+ public:
+  explicit Workspace(cudaStream_t s) : s_(s) {}
+  ~Workspace() {
+    for (void* p : ptrs_) cudaFreeAsync(p, s_);
+  }
+  template <typename T>
+  cudaError_t alloc(T** out, size_t count) {
+    void* p = nullptr;
+    cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(count, 1) * sizeof(T), s_);
+    if (e != cudaSuccess) return e;
+    ptrs_.push_back(p);
+    *out = static_cast<T*>(p);
+    return cudaSuccess;
+  }
+  size_t count() const { return ptrs_.size(); }
+
+ private:
+  cudaStream_t s_;
+  std::vector<void*> ptrs_;
+};
+
+Status check_support(const core::Problem& pr, DType dt) {
+  if (dt != DType::bf16 && dt != DType::f16) {
+    return unsupported(std::string("q: dtype ") + dtype_name(dt) +
+                       " is not supported by the cuda backend: expected bfloat16 or float16");
+  }
+  auto ok_dim = [](int64_t d) { return d == 64 || d == 128; };
+  if (!ok_dim(pr.K)) {
+    return unsupported("q: head dim K = " + std::to_string(pr.K) + " is not supported by the cuda backend: supported " +
+                       supported_head_dims());
+  }
+  if (!ok_dim(pr.V)) {
+    return unsupported("v: head dim V = " + std::to_string(pr.V) + " is not supported by the cuda backend: supported " +
+                       supported_head_dims());
+  }
+  if (pr.B * pr.T > (int64_t(1) << 31) / 64 || pr.HQ > 4096) {
+    return unsupported("q: B * T = " + std::to_string(pr.B * pr.T) + " tokens is more than the cuda backend's chunk table holds");
+  }
+  return Status::Ok();
+}
+
+Status check_smem(size_t need, const char* what) {
+  int dev = 0, optin = 0;
+  PA_CU(cudaGetDevice(&dev));
+  PA_CU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (need > size_t(optin)) {
+    return unsupported(std::string("device: the cuda ") + what + " kernel needs " + std::to_string(need) +
+                       " bytes of shared memory per block at this head dim; this device allows " + std::to_string(optin));
+  }
+  return Status::Ok();
+}
+
+struct Tables {
+  std::vector<ChunkDesc> chunks;
+  std::vector<int32_t> order;      // chunk indices, descending chunk index c (most scan work first)
+  std::vector<int32_t> seq_first;  // each sequence's chunk 0
+  int max_chunks = 0;
+};
+
+Tables build_tables(const core::Problem& pr) {
+  Tables t;
+  for (const core::Seq& s : pr.seqs) {
+    const int nc = int((s.len + kChunk - 1) / kChunk);
+    const int first = int(t.chunks.size());
+    t.seq_first.push_back(first);
+    t.max_chunks = std::max(t.max_chunks, nc);
+    for (int c = 0; c < nc; ++c) t.chunks.push_back({s.b, s.t0, int32_t(s.len), c, first, 0});
+  }
+  t.order.resize(t.chunks.size());
+  for (size_t i = 0; i < t.order.size(); ++i) t.order[i] = int32_t(i);
+  std::stable_sort(t.order.begin(), t.order.end(),
+                   [&](int32_t a, int32_t b) { return t.chunks[a].c > t.chunks[b].c; });
+  return t;
+}
+
+void strides3(const TensorView& v, int64_t (&s)[3]) {
+  for (int i = 0; i < 3; ++i) s[i] = v.ndim > i ? v.stride[i] : 0;
+}
+
+// Fields shared by forward and backward.
+void fill_inputs(KernelParams& kp, const core::Problem& pr, const TensorView& q, const TensorView& k,
+                 const TensorView& v, const TensorView& w, const TensorView& beta, const TensorView& g) {
+  kp.B = int(pr.B);
+  kp.T = int(pr.T);
+  kp.H = int(pr.H);
+  kp.HQ = int(pr.HQ);
+  kp.group = int(pr.group);
+  kp.K = int(pr.K);
+  kp.V = int(pr.V);
+  kp.path = pr.path;
+  kp.gate = pr.gate;
+  kp.scale = float(pr.scale);
+  kp.gate_scale = float(pr.gate_scale);
+  kp.q = q.data;
+  kp.k = k.data;
+  kp.v = v.data;
+  strides3(q, kp.q_s);
+  strides3(k, kp.k_s);
+  strides3(v, kp.v_s);
+  kp.w = pr.path ? static_cast<const float*>(w.data) : nullptr;
+  kp.beta = pr.path ? static_cast<const float*>(beta.data) : nullptr;
+  kp.g = pr.gate ? static_cast<const float*>(g.data) : nullptr;
+  if (pr.path) {
+    strides3(w, kp.w_s);
+    strides3(beta, kp.beta_s);
+  }
+  if (pr.gate) strides3(g, kp.g_s);
+}
+
+// Device copies of the tables plus the forward's workspace (also recomputed by the backward).
+Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, cudaStream_t s,
+                    int32_t** seq_first_dev) {
+  const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K;
+  ChunkDesc* chunks = nullptr;
+  int32_t *order = nullptr, *sf = nullptr;
+  PA_CU(ws.alloc(&chunks, t.chunks.size()));
+  PA_CU(ws.alloc(&order, t.order.size()));
+  PA_CU(ws.alloc(&sf, t.seq_first.size()));
+  PA_CU(cudaMemcpyAsync(chunks, t.chunks.data(), t.chunks.size() * sizeof(ChunkDesc), cudaMemcpyHostToDevice, s));
+  PA_CU(cudaMemcpyAsync(order, t.order.data(), t.order.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  PA_CU(cudaMemcpyAsync(sf, t.seq_first.data(), t.seq_first.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  kp.chunks = chunks;
+  kp.order = order;
+  kp.nchunks = int(t.chunks.size());
+  kp.max_chunks = t.max_chunks;
+  *seq_first_dev = sf;
+  PA_CU(ws.alloc(&kp.w16, NT * H * K));
+  PA_CU(ws.alloc(&kp.w2h, NT * H * K));
+  __half* kt = nullptr;
+  PA_CU(ws.alloc(&kt, NT * H * K));
+  kp.kt = kt;
+  PA_CU(ws.alloc(&kp.qtl, NT * HQ * K));
+  PA_CU(ws.alloc(&kp.aloc, NT * HQ * kChunk));
+  if (pr.gate) PA_CU(ws.alloc(&kp.G, NT * HQ));
+  return Status::Ok();
+}
+
+int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
+
+}  // namespace
+
+const char* supported_head_dims() { return "K, V in {64, 128}"; }
+
+Status fwd(const PathFwdParams& p, const core::Problem& pr) {
+  PA_TRY(check_support(pr, p.q.dtype));
+  PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
+  PA_TRY(check_smem(smem_fwd_scan(int(pr.K), int(pr.V)), "forward"));
+  cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+  const int dt = dtype_code(p.q.dtype);
+  const Tables t = build_tables(pr);
+  KernelParams kp{};
+  fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
+  kp.o = p.o.data;
+  strides3(p.o, kp.o_s);
+  kp.lse = p.lse.present() ? static_cast<float*>(p.lse.data) : nullptr;
+  if (kp.lse) strides3(p.lse, kp.lse_s);
+  Workspace ws(s);
+  int32_t* seq_first = nullptr;
+  PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
+  if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
+  PA_CU(launch_chunk_prep(kp, dt, s));
+  PA_CU(launch_fwd_scan(kp, dt, s));
+  return Status::Ok();
+}
+
+Status bwd(const PathBwdParams& p, const core::Problem& pr) {
+  PA_TRY(check_support(pr, p.q.dtype));
+  PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
+  PA_TRY(check_smem(smem_bwd_q(int(pr.K), int(pr.V)), "backward (query side)"));
+  PA_TRY(check_smem(smem_bwd_k(int(pr.K), int(pr.V)), "backward (key side)"));
+  PA_TRY(check_smem(smem_bwd_chunk(int(pr.K)), "backward (chunk)"));
+  cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+  const int dt = dtype_code(p.q.dtype);
+  const Tables t = build_tables(pr);
+  KernelParams kp{};
+  fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
+  kp.o = const_cast<void*>(p.o.data);
+  strides3(p.o, kp.o_s);
+  kp.lse = static_cast<float*>(p.lse.data);
+  strides3(p.lse, kp.lse_s);
+  kp.dout = p.do_.data;
+  strides3(p.do_, kp.do_s);
+  kp.dq = p.dq.data;
+  kp.dk = p.dk.data;
+  kp.dv = p.dv.data;
+  strides3(p.dq, kp.dq_s);
+  strides3(p.dk, kp.dk_s);
+  strides3(p.dv, kp.dv_s);
+  if (pr.path) {
+    kp.dw = static_cast<float*>(p.dw.data);
+    kp.dbeta = static_cast<float*>(p.dbeta.data);
+    strides3(p.dw, kp.dw_s);
+    strides3(p.dbeta, kp.dbeta_s);
+  }
+  if (pr.gate) {
+    kp.dg = static_cast<float*>(p.dg.data);
+    strides3(p.dg, kp.dg_s);
+  }
+  kp.deterministic = p.deterministic;
+
+  Workspace ws(s);
+  int32_t* seq_first = nullptr;
+  PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
+  const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
+  PA_CU(ws.alloc(&kp.delta, NT * HQ));
+  PA_CU(ws.alloc(&kp.dqt, NT * HQ * K));
+  PA_CU(ws.alloc(&kp.dvdiag, NT * HQ * V));
+  PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
+  PA_CU(ws.alloc(&kp.dkt, NT * H * K));
+  PA_CU(ws.alloc(&kp.dvk, NT * H * V));
+  if (pr.gate) {
+    PA_CU(ws.alloc(&kp.dgrow, NT * HQ));
+    PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
+    PA_CU(cudaMemsetAsync(kp.dgcol, 0, NT * HQ * sizeof(float), s));
+  }
+  PA_CU(cudaMemsetAsync(kp.dP, 0, size_t(kp.nchunks) * H * K * K * sizeof(float), s));
+
+  // Persistent grids: one scratch slot of max_chunks x C x K (fp16) per CTA.
+  const int nseqs = int(t.seq_first.size());
+  const int q_items = p.deterministic ? nseqs * int(H) : kp.nchunks * int(HQ);
+  const int k_items = kp.nchunks * int(H);
+  const int gq = std::min(q_items, bwd_q_max_grid(kp, dt));
+  const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
+  if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
+  PA_CU(ws.alloc(&kp.scratch, size_t(std::max(gq, gk)) * kp.max_chunks * kChunk * K));
+
+  if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
+  PA_CU(launch_chunk_prep(kp, dt, s));
+  PA_CU(launch_bwd_delta(kp, dt, s));
+  {
+    KernelParams kq = kp;
+    if (p.deterministic) kq.order = seq_first;
+    PA_CU(launch_bwd_q(kq, dt, gq, q_items, s));
+  }
+  PA_CU(launch_bwd_k(kp, dt, gk, s));
+  PA_CU(launch_bwd_chunk(kp, dt, s));
+  if (pr.gate) PA_CU(launch_bwd_dg(kp, seq_first, nseqs, s));
+  return Status::Ok();
+}
+
+}  // namespace pathattn::cuda

@@ -1,0 +1,280 @@
+// cuda/bwd_k.cu: the key-side backward pass. Per (key chunk kc, kv head h), all query heads of the group:
+//   pass 1 (left to right) moves the chunk-end keys k~ forward across later chunks,
+//          kt^(qc+1) = kt^(qc) P_qc^T = kt - (kt W2^T) W, parking kt^(qc) (fp16) in this CTA's scratch slot;
+//   pass 2 (right to left) takes logits q~_qc . kt^(qc), accumulates dv += P^T dO (direct) and the key
+//          adjoint h_qc = sum_hq scale dS^T q~ + h_{qc+1} P_qc (tf32), ending with dk~ = h_{kc+1}.
+// Every output row belongs to this CTA alone: no atomics, deterministic in every mode.
+#include "cuda/common.cuh"
+#include "cuda/launchers.h"
+
+namespace pathattn::cuda {
+namespace {
+
+constexpr int kBwdThreads = 128;  // 4 warps x 16 key rows
+
+template <int K, int V>
+struct BwdKSmem {
+  static constexpr int LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
+  // Sh, ST, Qs, Ws, W2s [64][LK] (2-byte); dOs, Vs [64][LV]; hs [64][LG] f32; Ys [64][LX] f32; 4 x 64 f32.
+  static constexpr size_t bytes = size_t(kChunk) * (5 * LK + 2 * LV) * 2 + size_t(kChunk) * (LG + LX) * 4 +
+                                  4 * kChunk * 4;
+};
+
+template <typename T, int K, int V>
+struct BwdK {
+  using S = BwdKSmem<K, V>;
+  static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
+  __half *Sh, *Ws, *W2s;
+  T *ST, *Qs, *dOs, *Vs;
+  float *hs, *Ys, *Gk, *Gq, *lse2, *del;
+
+  __device__ void carve(uint8_t* smem) {
+    Sh = reinterpret_cast<__half*>(smem);
+    ST = reinterpret_cast<T*>(Sh + kChunk * LK);
+    Qs = ST + kChunk * LK;
+    Ws = reinterpret_cast<__half*>(Qs + kChunk * LK);
+    W2s = Ws + kChunk * LK;
+    dOs = reinterpret_cast<T*>(W2s + kChunk * LK);
+    Vs = dOs + kChunk * LV;
+    hs = reinterpret_cast<float*>(Vs + kChunk * LV);
+    Ys = hs + kChunk * LG;
+    Gk = Ys + kChunk * LX;
+    Gq = Gk + kChunk;
+    lse2 = Gq + kChunk;
+    del = lse2 + kChunk;
+  }
+
+  __device__ void run(const KernelParams& p, int ci, int h, __half* scratch) {
+    const ChunkDesc ch = p.chunks[ci];
+    const int kc = ch.c, nk = min(kChunk, ch.len - kc * kChunk);
+    const int last = (ch.len + kChunk - 1) / kChunk - 1;
+    const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokk0 = seq_tok0 + int64_t(kc) * kChunk;
+    const int64_t posk0 = ch.t0 + int64_t(kc) * kChunk;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int rr[2] = {16 * warp + g, 16 * warp + g + 8};
+    const float LOG2E = 1.4426950408889634f;
+    const float sl2 = p.scale * LOG2E, gl2 = p.gate ? p.gate_scale * LOG2E : 0.f;
+    const float gs = p.gate ? p.gate_scale : 0.f;
+    const T* vp = static_cast<const T*>(p.v);
+    const T* ktp = static_cast<const T*>(p.kt);
+    const T* dop = static_cast<const T*>(p.dout);
+
+    __syncthreads();
+    load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + posk0 * p.v_s[1] + h * p.v_s[2], p.v_s[1], nk);
+    cp_async_commit();
+    // ---- pass 1: kt^(qc) for qc = kc+1 .. last into scratch[qc].
+    {
+      float kt[K / 8][4];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = rr[hr];
+        const T* src = ktp + ((tokk0 + r) * p.H + h) * K;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          const bool ok = r < nk;
+          kt[nt][2 * hr] = ok ? to_f(src[8 * nt + 2 * t4]) : 0.f;
+          kt[nt][2 * hr + 1] = ok ? to_f(src[8 * nt + 2 * t4 + 1]) : 0.f;
+        }
+      }
+      for (int qc = kc + 1; qc <= last; ++qc) {
+        __half* dst = scratch + size_t(qc) * kChunk * K;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+            *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
+                __floats2half2_rn(kt[nt][2 * hr], kt[nt][2 * hr + 1]);
+        if (qc == last) break;
+        const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
+        __syncthreads();
+        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        float y[8][4];
+        zero_acc(y);
+        warp_mma_rs<__half, K / 16, 8, false>(y, kt, 1.f, W2s, LK, 0);
+        warp_mma_rs<__half, 4, K / 8, true>(kt, y, -1.f, Ws, LK, 0);
+      }
+    }
+    for (int idx = threadIdx.x; idx < kChunk * LG; idx += blockDim.x) hs[idx] = 0.f;
+    float dv[V / 8][4];
+    zero_acc(dv);
+    // ---- pass 2: query chunks right to left.
+    for (int qc = last; qc > kc; --qc) {
+      const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
+      const int nqv = min(kChunk, ch.len - qc * kChunk);
+      __syncthreads();
+      load_tile_async<K>(Sh, scratch + size_t(qc) * kChunk * K, K, kChunk);
+      if (qc < last) {
+        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      }
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
+      const T* Kop;
+      if constexpr (!IsHalf<T>::value) {
+        for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
+          const int r = idx / K, d = idx % K;
+          ST[r * LK + d] = from_f<T>(__half2float(Sh[r * LK + d]));
+        }
+        Kop = ST;
+      } else {
+        Kop = reinterpret_cast<const T*>(Sh);
+      }
+      if (qc < last) {  // h <- h P_qc = h - (h W^T) W2 (own rows)
+        float y[1][8][4];
+        zero_acc(y);
+        warp_mma_tf32<1, 8, false, false, float, __half>(y, hs, LG, 16 * warp, Ws, LK, 0, K);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) Ys[rr[e >> 1] * LX + 8 * nt + 2 * t4 + (e & 1)] = y[0][nt][e];
+        __syncwarp();
+        float ga[1][K / 8][4];
+        zero_acc(ga);
+        warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, Ys, LX, 16 * warp, W2s, LK, 0, kChunk);
+        __syncwarp();
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
+      }
+      for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
+        __syncthreads();
+        load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
+        cp_async_commit();
+        for (int idx = threadIdx.x; idx < kChunk * (K / 2); idx += blockDim.x) {
+          const int r = idx / (K / 2), d = 2 * (idx % (K / 2));
+          float2 v2 = r < nqv ? *reinterpret_cast<const float2*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
+                              : make_float2(0.f, 0.f);
+          *reinterpret_cast<uint32_t*>(Qs + r * LK + d) = Pack2<T>::pack(v2.x, v2.y);
+        }
+        for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
+          const bool ok = r < nqv;
+          lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + (pos + r) * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : 0.f;
+          del[r] = ok ? p.delta[(tok + r) * p.HQ + hq] : 0.f;
+          Gq[r] = (p.gate && ok) ? p.G[(tok + r) * p.HQ + hq] * gl2 : 0.f;
+          Gk[r] = (p.gate && r < nk) ? p.G[(tokk0 + r) * p.HQ + hq] * gl2 : 0.f;
+        }
+        cp_async_wait_all();
+        __syncthreads();
+        float st[1][8][4], dpt[1][8][4];
+        zero_acc(st);
+        zero_acc(dpt);
+        warp_mma_ss<T, 1, 8, false, false>(st, Kop, LK, 16 * warp, Qs, LK, 0, K);
+        warp_mma_ss<T, 1, 8, false, false>(dpt, Vs, LV, 16 * warp, dOs, LV, 0, V);
+        float csum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = rr[e >> 1], i = 8 * nt + 2 * t4 + (e & 1);
+            const float pt = i < nqv ? exp2f(st[0][nt][e] * sl2 + Gq[i] - Gk[j] - lse2[i]) : 0.f;
+            const float ds = pt * (dpt[0][nt][e] - del[i]);
+            st[0][nt][e] = pt;
+            dpt[0][nt][e] = ds;
+            csum[e >> 1] += ds;
+          }
+        warp_mma_rs<T, 4, V / 8, true>(dv, st[0], 1.f, dOs, LV, 0);
+        float lc[K / 8][4];
+        zero_acc(lc);
+        warp_mma_rs<T, 4, K / 8, true>(lc, dpt[0], p.scale, Qs, LK, 0);
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
+        if (p.gate) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            float a = csum[hr];
+            a += __shfl_xor_sync(0xffffffffu, a, 1);
+            a += __shfl_xor_sync(0xffffffffu, a, 2);
+            if (t4 == 0 && rr[hr] < nk) p.dgcol[(tokk0 + rr[hr]) * p.HQ + hq] -= gs * a;
+          }
+        }
+      }
+    }
+    // ---- outputs: dk~ = h_{kc+1}, dv (off-diagonal part, summed over the group).
+    __syncwarp();
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int j = rr[hr];
+      if (j >= nk) continue;
+      float* dk = p.dkt + ((tokk0 + j) * p.H + h) * K;
+      for (int d = t4; d < K; d += 4) dk[d] = hs[j * LG + d];
+      float* dvo = p.dvk + ((tokk0 + j) * p.H + h) * V;
+#pragma unroll
+      for (int nt = 0; nt < V / 8; ++nt)
+        *reinterpret_cast<float2*>(dvo + 8 * nt + 2 * t4) = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+    }
+  }
+};
+
+template <typename T, int K, int V>
+__global__ void __launch_bounds__(kBwdThreads) bwd_k_kernel(KernelParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  BwdK<T, K, V> w;
+  w.carve(smem);
+  __half* scratch = p.scratch + size_t(blockIdx.x) * p.max_chunks * kChunk * K;
+  const int nitems = p.nchunks * p.H;
+  // order[] lists chunks by descending index; the key side has the most work at low indices.
+  for (int it = blockIdx.x; it < nitems; it += gridDim.x)
+    w.run(p, p.order[p.nchunks - 1 - it / p.H], it % p.H, scratch);
+}
+
+template <typename T, int K, int V>
+cudaError_t set_attr() {
+  return cudaFuncSetAttribute(bwd_k_kernel<T, K, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(BwdKSmem<K, V>::bytes));
+}
+
+template <typename T, int K, int V>
+cudaError_t run_t(const KernelParams& p, int grid, cudaStream_t s) {
+  cudaError_t e = set_attr<T, K, V>();
+  if (e != cudaSuccess) return e;
+  bwd_k_kernel<T, K, V><<<grid, kBwdThreads, BwdKSmem<K, V>::bytes, s>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int K, int V>
+int grid_t() {
+  if (set_attr<T, K, V>() != cudaSuccess) return 0;
+  int nb = 0, dev = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_k_kernel<T, K, V>, kBwdThreads, BwdKSmem<K, V>::bytes);
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return nb * sms;
+}
+
+#define PA_DISPATCH_KV(FN, ...)                                                   \
+  (p.K == 64 ? (p.V == 64 ? FN<T, 64, 64>(__VA_ARGS__) : FN<T, 64, 128>(__VA_ARGS__)) \
+             : (p.V == 64 ? FN<T, 128, 64>(__VA_ARGS__) : FN<T, 128, 128>(__VA_ARGS__)))
+
+template <typename T>
+cudaError_t dispatch(const KernelParams& p, int grid, cudaStream_t s) {
+  return PA_DISPATCH_KV(run_t, p, grid, s);
+}
+template <typename T>
+int grid_dispatch(const KernelParams& p) {
+  return PA_DISPATCH_KV(grid_t);
+}
+
+}  // namespace
+
+size_t smem_bwd_k(int K, int V) {
+  const size_t LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
+  return kChunk * (5 * LK + 2 * LV) * 2 + kChunk * (LG + LX) * 4 + 4 * kChunk * 4;
+}
+
+cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s) {
+  return dtype == 0 ? dispatch<__half>(p, grid, s) : dispatch<__nv_bfloat16>(p, grid, s);
+}
+
+int bwd_k_max_grid(const KernelParams& p, int dtype) {
+  return dtype == 0 ? grid_dispatch<__half>(p) : grid_dispatch<__nv_bfloat16>(p);
+}
+
+}  // namespace pathattn::cuda

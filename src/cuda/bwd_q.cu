@@ -1,0 +1,350 @@
+// cuda/bwd_q.cu: the query-side backward pass. Per (query chunk qc, query head):
+//   pass 1 (right to left) recomputes qt_kc, the queries moved to the end of key chunk kc, exactly as the
+//          forward does, and parks them (fp16) in this CTA's scratch slot: max_chunks x C x K per CTA,
+//          with a persistent grid, so the scratch is linear in T (never [B, T, T/S, HQ, K]);
+//   diagonal: P from A_loc and lse, dA_loc = scale dS (written over A_loc), dv_diag = P^T dO, gate terms;
+//   pass 2 (left to right) runs the transport adjoint: gbar = local_0; for kc >= 1:
+//          dP_kc += qt_kc^T gbar, gbar = gbar P_kc^T + local_kc, with local_kc = scale dS_kc k~_kc;
+//          finally dq~ = gbar. The chain and dP use tf32 (gradients can be far below fp16's range).
+// dP is a per-(chunk, kv head) K x K sum over query chunks and heads: fp32 atomics, or, in deterministic
+// mode, one CTA owns a whole (sequence, kv head) and adds in a fixed order.
+#include "cuda/common.cuh"
+#include "cuda/launchers.h"
+
+namespace pathattn::cuda {
+namespace {
+
+constexpr int kBwdThreads = 128;  // 4 warps x 16 rows, as in the forward
+
+template <int K, int V>
+struct BwdQSmem {
+  static constexpr int LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
+  // Qh, QT, Ks, Ws, W2s [64][LK] (2-byte); Vs, dOs [64][LV]; gb [64][LG] f32; dXs [64][LX] f32; 5 x 64 f32.
+  static constexpr size_t bytes = size_t(kChunk) * (5 * LK + 2 * LV) * 2 + size_t(kChunk) * (LG + LX) * 4 +
+                                  5 * kChunk * 4;
+};
+
+template <typename T, int K, int V>
+struct BwdQ {
+  using S = BwdQSmem<K, V>;
+  static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
+  __half *Qh, *Ws, *W2s;
+  T *QT, *Ks, *Vs, *dOs;
+  float *gb, *dXs, *Gk, *Gq, *lse2, *del, *dga;
+
+  __device__ void carve(uint8_t* smem) {
+    Qh = reinterpret_cast<__half*>(smem);
+    QT = reinterpret_cast<T*>(Qh + kChunk * LK);
+    Ks = QT + kChunk * LK;
+    Ws = reinterpret_cast<__half*>(Ks + kChunk * LK);
+    W2s = Ws + kChunk * LK;
+    Vs = reinterpret_cast<T*>(W2s + kChunk * LK);
+    dOs = Vs + kChunk * LV;
+    gb = reinterpret_cast<float*>(dOs + kChunk * LV);
+    dXs = gb + kChunk * LG;
+    Gk = dXs + kChunk * LX;
+    Gq = Gk + kChunk;
+    lse2 = Gq + kChunk;
+    del = lse2 + kChunk;
+    dga = del + kChunk;
+  }
+
+  // One (chunk ci, query head hq) item.
+  __device__ void run(const KernelParams& p, int ci, int hq, __half* scratch) {
+    const ChunkDesc ch = p.chunks[ci];
+    const int h = hq / p.group, qc = ch.c, nq = min(kChunk, ch.len - qc * kChunk);
+    const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
+    const int64_t posq0 = ch.t0 + int64_t(qc) * kChunk;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int rr[2] = {16 * warp + g, 16 * warp + g + 8};
+    const float LOG2E = 1.4426950408889634f;
+    const float sl2 = p.scale * LOG2E, gl2 = p.gate ? p.gate_scale * LOG2E : 0.f;
+    const float gs = p.gate ? p.gate_scale : 0.f;
+    const T* vp = static_cast<const T*>(p.v);
+    const T* ktp = static_cast<const T*>(p.kt);
+    const T* dop = static_cast<const T*>(p.dout);
+
+    __syncthreads();  // the previous item is done with shared memory
+    // ---- pass 1: qt_kc for kc = qc-1 .. 0 into scratch[kc] (fp16, [64][K]).
+    {
+      float qt[K / 8][4];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = rr[hr];
+        const float* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          float2 v2 = r < nq ? *reinterpret_cast<const float2*>(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+          qt[nt][2 * hr] = v2.x;
+          qt[nt][2 * hr + 1] = v2.y;
+        }
+      }
+      for (int kc = qc - 1; kc >= 0; --kc) {
+        __half* dst = scratch + size_t(kc) * kChunk * K;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+            *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
+                __floats2half2_rn(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+        if (kc == 0) break;
+        const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+        __syncthreads();
+        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        float x[8][4];
+        zero_acc(x);
+        warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
+        warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
+      }
+    }
+    // ---- per-row data and the diagonal chunk.
+    __syncthreads();
+    load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + posq0 * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nq);
+    load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + posq0 * p.v_s[1] + h * p.v_s[2], p.v_s[1], nq);
+    cp_async_commit();
+    for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
+      const bool ok = r < nq;
+      const int64_t pos = posq0 + r;
+      lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : 0.f;
+      del[r] = ok ? p.delta[(tokq0 + r) * p.HQ + hq] : 0.f;
+      Gq[r] = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
+      Gk[r] = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
+    }
+    for (int idx = threadIdx.x; idx < kChunk * LG; idx += blockDim.x) gb[idx] = 0.f;
+    cp_async_wait_all();
+    __syncthreads();
+    float rs[2] = {0.f, 0.f};  // gate row sums of dS (this thread's entries)
+    {
+      float pr[8][4], dp[1][8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
+          float v = 0.f;
+          if (r < nq && c <= r)
+            v = exp2f(p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] * sl2 + Gq[r] - Gk[c] - lse2[r]);
+          pr[nt][e] = v;
+        }
+      zero_acc(dp);
+      warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vs, LV, 0, V);
+      T* Ps = Ks;  // [64][64 + 8] staging of P for dv_diag (Ks is free until pass 2)
+      constexpr int LP = kChunk + 8;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
+          const float ds = pr[nt][e] * (dp[0][nt][e] - del[r]);
+          dXs[r * LX + c] = ds;
+          Ps[r * LP + c] = from_f<T>(pr[nt][e]);
+          if (r < nq) p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] = p.scale * ds;
+        }
+      __syncthreads();
+      // dv_diag = P^T dO: warp w takes keys 16w..16w+15.
+      float dv[1][V / 8][4];
+      zero_acc(dv);
+      warp_mma_ss<T, 1, V / 8, true, true>(dv, Ps, LP, 16 * warp, dOs, LV, 0, kChunk);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int j = rr[hr];
+        if (j >= nq) continue;
+        float* dst = p.dvdiag + ((tokq0 + j) * p.HQ + hq) * V;
+#pragma unroll
+        for (int nt = 0; nt < V / 8; ++nt)
+          *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(dv[0][nt][2 * hr], dv[0][nt][2 * hr + 1]);
+      }
+      // Gate terms of the diagonal: + row sums, - column sums (fixed order: deterministic).
+      if (threadIdx.x < kChunk) {
+        const int r = threadIdx.x;
+        float a = 0.f, b = 0.f;
+        for (int c = 0; c < kChunk; ++c) {
+          a += dXs[r * LX + c];
+          b += dXs[c * LX + r];
+        }
+        dga[r] = gs * (a - b);
+      }
+    }
+    // ---- pass 2: key chunks left to right, transport adjoint.
+    float* dPbase = p.dP + (int64_t(ch.first) * p.H + h) * K * K;
+    for (int kc = 0; kc < qc; ++kc) {
+      const int64_t tok = seq_tok0 + int64_t(kc) * kChunk, pos = ch.t0 + int64_t(kc) * kChunk;
+      __syncthreads();
+      load_tile_async<K>(Qh, scratch + size_t(kc) * kChunk * K, K, kChunk);
+      load_tile_async<K>(Ks, ktp + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
+      if (kc > 0) {
+        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      }
+      cp_async_commit();
+      for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gk[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
+      cp_async_wait_all();
+      __syncthreads();
+      const T* Qop;
+      if constexpr (!IsHalf<T>::value) {
+        for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
+          const int r = idx / K, d = idx % K;
+          QT[r * LK + d] = from_f<T>(__half2float(Qh[r * LK + d]));
+        }
+        __syncthreads();
+        Qop = QT;
+      } else {
+        Qop = reinterpret_cast<const T*>(Qh);
+      }
+      float ds[8][4];
+      {
+        float s[1][8][4], dp[1][8][4];
+        zero_acc(s);
+        zero_acc(dp);
+        warp_mma_ss<T, 1, 8, false, false>(s, Qop, LK, 16 * warp, Ks, LK, 0, K);
+        warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vs, LV, 0, V);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
+            const float pr = r < nq ? exp2f(s[0][nt][e] * sl2 + Gq[r] - Gk[c] - lse2[r]) : 0.f;
+            ds[nt][e] = pr * (dp[0][nt][e] - del[r]);
+            rs[e >> 1] += ds[nt][e];
+          }
+      }
+      if (kc > 0) {
+        // dP_kc += qt_kc^T gbar  (K x K; warp w owns rows [w K/4, (w+1) K/4)).
+        constexpr int MT = K / 64;
+#pragma unroll
+        for (int n0 = 0; n0 < K; n0 += 64) {
+          float d[MT][8][4];
+          zero_acc(d);
+          warp_mma_tf32<MT, 8, true, true, __half, float>(d, Qh, LK, warp * 16 * MT, gb, LG, n0, kChunk);
+          float* dPk = dPbase + int64_t(kc) * p.H * K * K;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4 + (e & 1);
+                if (p.deterministic) dPk[a * K + b] += d[mt][nt][e];
+                else atomicAdd(dPk + a * K + b, d[mt][nt][e]);
+              }
+        }
+        // dX = gbar W2^T (own rows) -> dXs.
+        float x[1][8][4];
+        zero_acc(x);
+        warp_mma_tf32<1, 8, false, false, float, __half>(x, gb, LG, 16 * warp, W2s, LK, 0, K);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dXs[rr[e >> 1] * LX + 8 * nt + 2 * t4 + (e & 1)] = x[0][nt][e];
+        __syncthreads();  // every warp has read all of gb (dP) before it changes
+        float ga[1][K / 8][4];
+        zero_acc(ga);
+        warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, dXs, LX, 16 * warp, Ws, LK, 0, kChunk);
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
+      }
+      // gbar += scale dS k~.
+      float lc[K / 8][4];
+      zero_acc(lc);
+      warp_mma_rs<T, 4, K / 8, true>(lc, ds, p.scale, Ks, LK, 0);
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
+    }
+    // ---- outputs: dq~ = gbar, gate row terms.
+    __syncwarp();
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float a = rs[hr];
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      const int r = rr[hr];
+      if (r < nq) {
+        float* dst = p.dqt + ((tokq0 + r) * p.HQ + hq) * K;
+        for (int d = t4; d < K; d += 4) dst[d] = gb[r * LG + d];
+        if (t4 == 0 && p.gate) p.dgrow[(tokq0 + r) * p.HQ + hq] = dga[r] + gs * a;
+      }
+    }
+  }
+};
+
+template <typename T, int K, int V>
+__global__ void __launch_bounds__(kBwdThreads) bwd_q_kernel(KernelParams p, int nitems) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  BwdQ<T, K, V> w;
+  w.carve(smem);
+  __half* scratch = p.scratch + size_t(blockIdx.x) * p.max_chunks * kChunk * K;
+  if (!p.deterministic) {
+    for (int it = blockIdx.x; it < nitems; it += gridDim.x) w.run(p, p.order[it / p.HQ], it % p.HQ, scratch);
+  } else {
+    // Items are (sequence, kv head); nitems = nseqs * H. order[] here lists each sequence's first chunk.
+    for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
+      const int first = p.order[it / p.H], h = it % p.H;
+      const int nc = (p.chunks[first].len + kChunk - 1) / kChunk;
+      for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq)
+        for (int c = 0; c < nc; ++c) w.run(p, first + c, hq, scratch);
+    }
+  }
+}
+
+template <typename T, int K, int V>
+cudaError_t set_attr() {
+  return cudaFuncSetAttribute(bwd_q_kernel<T, K, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(BwdQSmem<K, V>::bytes));
+}
+
+template <typename T, int K, int V>
+cudaError_t run_t(const KernelParams& p, int grid, int nitems, cudaStream_t s) {
+  cudaError_t e = set_attr<T, K, V>();
+  if (e != cudaSuccess) return e;
+  bwd_q_kernel<T, K, V><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems);
+  return cudaGetLastError();
+}
+
+template <typename T, int K, int V>
+int grid_t() {
+  if (set_attr<T, K, V>() != cudaSuccess) return 0;
+  int nb = 0, dev = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_q_kernel<T, K, V>, kBwdThreads, BwdQSmem<K, V>::bytes);
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return nb * sms;
+}
+
+#define PA_DISPATCH_KV(FN, ...)                                                   \
+  (p.K == 64 ? (p.V == 64 ? FN<T, 64, 64>(__VA_ARGS__) : FN<T, 64, 128>(__VA_ARGS__)) \
+             : (p.V == 64 ? FN<T, 128, 64>(__VA_ARGS__) : FN<T, 128, 128>(__VA_ARGS__)))
+
+template <typename T>
+cudaError_t dispatch(const KernelParams& p, int grid, int nitems, cudaStream_t s) {
+  return PA_DISPATCH_KV(run_t, p, grid, nitems, s);
+}
+template <typename T>
+int grid_dispatch(const KernelParams& p) {
+  return PA_DISPATCH_KV(grid_t);
+}
+
+}  // namespace
+
+size_t smem_bwd_q(int K, int V) {
+  const size_t LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
+  return kChunk * (5 * LK + 2 * LV) * 2 + kChunk * (LG + LX) * 4 + 5 * kChunk * 4;
+}
+
+cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, cudaStream_t s) {
+  return dtype == 0 ? dispatch<__half>(p, grid, nitems, s) : dispatch<__nv_bfloat16>(p, grid, nitems, s);
+}
+
+int bwd_q_max_grid(const KernelParams& p, int dtype) {
+  return dtype == 0 ? grid_dispatch<__half>(p) : grid_dispatch<__nv_bfloat16>(p);
+}
+
+}  // namespace pathattn::cuda

@@ -1,0 +1,97 @@
+// cuda/capi.cu: a small C ABI over the CUDA backend for benchmarks and tools that hold device pointers
+// (e.g. Python through ctypes with torch tensors' data_ptr()). Contiguous tensors only; validation is the
+// library's own (core::check_fwd / check_bwd). Returns 0 on success, else the Status code, with the
+// message copied into err[0 .. errlen).
+#include <cstring>
+
+#include "core/problem.h"
+#include "cuda/cuda_backend.h"
+
+using namespace pathattn;
+
+namespace {
+
+DType qdt(int dtype) { return dtype == 0 ? DType::f16 : DType::bf16; }
+
+TensorView dev(const void* p, DType dt, std::initializer_list<int64_t> shape) {
+  if (!p) return TensorView{};
+  return make_view(const_cast<void*>(p), dt, shape, Device::cuda);
+}
+
+int finish(const Status& s, char* err, int errlen) {
+  if (err && errlen > 0) {
+    std::strncpy(err, s.message().c_str(), size_t(errlen - 1));
+    err[errlen - 1] = 0;
+  }
+  return int(s.code());
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [B,T,HQ,K], k [B,T,H,K], v [B,T,H,V] (dtype 0 = fp16, 1 = bf16); w [B,T,H,K], beta [B,T,H] fp32 or
+// both null; g [B,T,HQ] fp32 or null; o [B,T,HQ,V]; lse [B,T,HQ] fp32 or null. cu_seqlens: host int64
+// [n_cu] or null. scale / gate_scale: NaN for the defaults.
+int pathattn_cuda_fwd(const void* q, const void* k, const void* v, const float* w, const float* beta, const float* g,
+                      void* o, float* lse, int64_t B, int64_t T, int64_t HQ, int64_t H, int64_t K, int64_t V,
+                      int dtype, double scale, double gate_scale, const int64_t* cu_seqlens, int64_t n_cu,
+                      void* stream, char* err, int errlen) {
+  PathFwdParams p;
+  const DType dt = qdt(dtype);
+  p.q = dev(q, dt, {B, T, HQ, K});
+  p.k = dev(k, dt, {B, T, H, K});
+  p.v = dev(v, dt, {B, T, H, V});
+  p.w = dev(w, DType::f32, {B, T, H, K});
+  p.beta = dev(beta, DType::f32, {B, T, H});
+  p.g = dev(g, DType::f32, {B, T, HQ});
+  p.o = dev(o, dt, {B, T, HQ, V});
+  p.lse = dev(lse, DType::f32, {B, T, HQ});
+  if (cu_seqlens) p.cu_seqlens = make_view(const_cast<int64_t*>(cu_seqlens), DType::i64, {n_cu});
+  p.scale = scale;
+  p.gate_scale = gate_scale;
+  p.backend = Backend::cuda;
+  p.stream = stream;
+  core::Problem pr;
+  Status s = core::check_fwd(p, &pr);
+  if (s.ok() && !pr.seqs.empty()) s = cuda::fwd(p, pr);
+  return finish(s, err, errlen);
+}
+
+// As above plus o, lse (inputs), dout [B,T,HQ,V] and the gradients (dw/dbeta null without w; dg null
+// without g).
+int pathattn_cuda_bwd(const void* q, const void* k, const void* v, const float* w, const float* beta, const float* g,
+                      const void* o, const float* lse, const void* dout, void* dq, void* dk, void* dv, float* dw,
+                      float* dbeta, float* dg, int64_t B, int64_t T, int64_t HQ, int64_t H, int64_t K, int64_t V,
+                      int dtype, double scale, double gate_scale, const int64_t* cu_seqlens, int64_t n_cu,
+                      int deterministic, void* stream, char* err, int errlen) {
+  PathBwdParams p;
+  const DType dt = qdt(dtype);
+  p.q = dev(q, dt, {B, T, HQ, K});
+  p.k = dev(k, dt, {B, T, H, K});
+  p.v = dev(v, dt, {B, T, H, V});
+  p.w = dev(w, DType::f32, {B, T, H, K});
+  p.beta = dev(beta, DType::f32, {B, T, H});
+  p.g = dev(g, DType::f32, {B, T, HQ});
+  p.o = dev(o, dt, {B, T, HQ, V});
+  p.lse = dev(lse, DType::f32, {B, T, HQ});
+  p.do_ = dev(dout, dt, {B, T, HQ, V});
+  p.dq = dev(dq, dt, {B, T, HQ, K});
+  p.dk = dev(dk, dt, {B, T, H, K});
+  p.dv = dev(dv, dt, {B, T, H, V});
+  p.dw = dev(dw, DType::f32, {B, T, H, K});
+  p.dbeta = dev(dbeta, DType::f32, {B, T, H});
+  p.dg = dev(dg, DType::f32, {B, T, HQ});
+  if (cu_seqlens) p.cu_seqlens = make_view(const_cast<int64_t*>(cu_seqlens), DType::i64, {n_cu});
+  p.scale = scale;
+  p.gate_scale = gate_scale;
+  p.backend = Backend::cuda;
+  p.deterministic = deterministic != 0;
+  p.stream = stream;
+  core::Problem pr;
+  Status s = core::check_bwd(p, &pr);
+  if (s.ok() && !pr.seqs.empty()) s = cuda::bwd(p, pr);
+  return finish(s, err, errlen);
+}
+
+}  // extern "C"

@@ -1,0 +1,238 @@
+// cuda/common.cuh: device helpers shared by the PaTH kernels: element types, tensor-core MMA through
+// inline PTX (mma.sync m16n8k16 for fp16/bf16, m16n8k8 for tf32; sm_80 and up), ldmatrix-based warp
+// tiles over shared memory, cp.async copies, and the plain block-level fp32 matrix product used by the
+// O(T C K) chunk kernels. No torch or framework headers: kernels see raw pointers only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pathattn::cuda {
+
+// ----------------------------------------------------------------------------------------------------
+// Element types. T is the q/k/v storage type (__half or __nv_bfloat16); transport operands are __half.
+template <typename T> struct Pack2;
+template <> struct Pack2<__half> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <> struct Pack2<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// ----------------------------------------------------------------------------------------------------
+// MMA primitives. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), g = lane / 4, t = lane % 4:
+//   A 16x16: a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
+//   B 16x8:  b0 (k 2t..2t+1, n g) b1 (k 2t+8.., n g)
+//   C 16x8:  c0,c1 (g, 2t..2t+1) c2,c3 (g+8, 2t..2t+1)
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// tf32 m16n8k8: A a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4); B b0 (k t, n g) b1 (k t+4, n g).
+__device__ __forceinline__ void mma1688_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Warp tiles over shared memory, 16-bit operands (type E), fp32 accumulators.
+// acc[MT][NT][4] += A(16MT x kdim) * B(kdim x 8NT) for the tile at rows m0, cols n0.
+//   TA = false: A stored [m][k] (leading dim lda); TA = true: A stored [k][m].
+//   TB = false: B stored [n][k] (rows of B^T, e.g. keys); TB = true: B stored [k][n].
+// Leading dims are padded by 8 elements (16 bytes) by the callers, which keeps ldmatrix conflict-free.
+template <typename E, int MT, int NT, bool TA, bool TB>
+__device__ __forceinline__ void warp_mma_ss(float (&acc)[MT][NT][4], const E* A, int lda, int m0, const E* B,
+                                            int ldb, int n0, int kdim) {
+  static_assert(NT % 2 == 0, "NT must be even");
+  const int lane = threadIdx.x & 31, mat = lane >> 3, i = lane & 7;
+  for (int k0 = 0; k0 < kdim; k0 += 16) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int mb = m0 + 16 * mt;
+      if (!TA) ldsm_x4(a[mt], A + (mb + i + (mat & 1) * 8) * lda + k0 + (mat >> 1) * 8);
+      else ldsm_x4_t(a[mt], A + (k0 + i + (mat >> 1) * 8) * lda + mb + (mat & 1) * 8);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+      const int nb = n0 + 8 * nt;
+      uint32_t b[4];
+      if (!TB) ldsm_x4(b, B + (nb + i + (mat >> 1) * 8) * ldb + k0 + (mat & 1) * 8);
+      else ldsm_x4_t(b, B + (k0 + i + (mat & 1) * 8) * ldb + nb + (mat >> 1) * 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<E>(acc[mt][nt], a[mt], b[0], b[1]);
+        mma16816<E>(acc[mt][nt + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Same with A taken from registers: a warp's 16 x (16 KT) accumulator tile `src` (C layout, NT2 = 2 KT
+// n-tiles) is rounded to E and used as the A operand (the C layout of two n-tiles is the A layout).
+template <typename E, int KT, int NT, bool TB>
+__device__ __forceinline__ void warp_mma_rs(float (&acc)[NT][4], const float (&src)[2 * KT][4], float src_scale,
+                                            const E* B, int ldb, int n0) {
+  static_assert(NT % 2 == 0, "NT must be even");
+  const int lane = threadIdx.x & 31, mat = lane >> 3, i = lane & 7;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t a[4];
+    a[0] = Pack2<E>::pack(src[2 * kt][0] * src_scale, src[2 * kt][1] * src_scale);
+    a[1] = Pack2<E>::pack(src[2 * kt][2] * src_scale, src[2 * kt][3] * src_scale);
+    a[2] = Pack2<E>::pack(src[2 * kt + 1][0] * src_scale, src[2 * kt + 1][1] * src_scale);
+    a[3] = Pack2<E>::pack(src[2 * kt + 1][2] * src_scale, src[2 * kt + 1][3] * src_scale);
+    const int k0 = 16 * kt;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+      const int nb = n0 + 8 * nt;
+      uint32_t b[4];
+      if (!TB) ldsm_x4(b, B + (nb + i + (mat >> 1) * 8) * ldb + k0 + (mat & 1) * 8);
+      else ldsm_x4_t(b, B + (k0 + i + (mat & 1) * 8) * ldb + nb + (mat >> 1) * 8);
+      mma16816<E>(acc[nt], a, b[0], b[1]);
+      mma16816<E>(acc[nt + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// tf32 warp tile: A, B in shared memory as fp32 (SA/SB = float) or fp16 (= __half), converted on load.
+// Layout flags as in warp_mma_ss. Used for the gradient transport chains, whose values can be far below
+// the fp16 range (ALGORITHMS.md section 4: transport operands fp16 or tf32, never bf16).
+template <int MT, int NT, bool TA, bool TB, typename SA, typename SB>
+__device__ __forceinline__ void warp_mma_tf32(float (&acc)[MT][NT][4], const SA* A, int lda, int m0, const SB* B,
+                                              int ldb, int n0, int kdim) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  auto ea = [&](int m, int k) { return to_tf32(to_f(TA ? A[k * lda + m] : A[m * lda + k])); };
+  auto eb = [&](int k, int n) { return to_tf32(to_f(TB ? B[k * ldb + n] : B[n * ldb + k])); };
+  for (int k0 = 0; k0 < kdim; k0 += 8) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int m = m0 + 16 * mt + g;
+      a[mt][0] = ea(m, k0 + t);
+      a[mt][1] = ea(m + 8, k0 + t);
+      a[mt][2] = ea(m, k0 + t + 4);
+      a[mt][3] = ea(m + 8, k0 + t + 4);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = n0 + 8 * nt + g;
+      const uint32_t b0 = eb(k0 + t, n), b1 = eb(k0 + t + 4, n);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma1688_tf32(acc[mt][nt], a[mt], b0, b1);
+    }
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int a = 0; a < MT; ++a)
+#pragma unroll
+    for (int b = 0; b < NT; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+}
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int b = 0; b < NT; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[b][c] = 0.f;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// cp.async: 16-byte global -> shared copies; src_bytes = 0 zero-fills (rows past a sequence's end).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// Copies `rows` x D elements (2-byte type) of a row-strided global tile into shared memory [64][D + 8];
+// rows >= nvalid are zero-filled. `stride` is the global row stride in elements.
+template <int D, typename E>
+__device__ __forceinline__ void load_tile_async(E* dst, const E* src, int64_t stride, int nvalid) {
+  constexpr int kVec = 8, kPerRow = D / kVec;
+  for (int idx = threadIdx.x; idx < 64 * kPerRow; idx += blockDim.x) {
+    const int r = idx / kPerRow, c = (idx % kPerRow) * kVec;
+    const bool ok = r < nvalid;
+    cp_async16(dst + r * (D + 8) + c, src + (ok ? r * stride + c : 0), ok);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Block-level fp32 product for the chunk (UT transform) kernels: out(r, c, sum_k a(r, k) b(k, c)) for
+// r < M, c < N, with k running over [klo(r, c), khi(r, c)) so triangular products skip their zeros.
+// Each thread owns outputs idx = tid + i * blockDim.x, so a caller may accumulate into its own outputs.
+template <class FA, class FB, class FK, class FO>
+__device__ __forceinline__ void block_mm(int M, int N, FA a, FB b, FK krange, FO out) {
+  for (int idx = threadIdx.x; idx < M * N; idx += blockDim.x) {
+    const int r = idx / N, c = idx % N;
+    int lo, hi;
+    krange(r, c, lo, hi);
+    float s = 0.f;
+    for (int k = lo; k < hi; ++k) s = fmaf(a(r, k), b(k, c), s);
+    out(r, c, s);
+  }
+}
+
+}  // namespace pathattn::cuda

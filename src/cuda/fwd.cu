@@ -1,0 +1,207 @@
+// cuda/fwd.cu: the forward scan. One CTA per (query chunk, query head): the diagonal chunk from the
+// precomputed A_loc, then key chunks right to left with an online softmax; between key chunks the query
+// tile (fp32 in registers) is moved across the chunk: qt <- qt - (qt W^T) W2 (fp16 operands, fp32 accum).
+#include "cuda/common.cuh"
+#include "cuda/launchers.h"
+
+namespace pathattn::cuda {
+namespace {
+
+// 4 warps x 16 query rows = one 64-row chunk. Per key chunk: S = qt k~^T and O += P V (dtype T),
+// X = qt W^T and qt -= X W2 (fp16). Registers: qt (K/2) + O (V/2) + S (32) + X (32) floats per thread.
+// Two shared-memory stages of (k~, v, w16, w2h) tiles: the next chunk loads while this one computes.
+constexpr int kFwdThreads = 128;
+
+template <typename T, int K, int V>
+struct FwdSmem {
+  static constexpr int LK = K + 8, LV = V + 8;
+  static constexpr size_t bytes = 2 * (size_t(kChunk) * LK * sizeof(T) + size_t(kChunk) * LV * sizeof(T) +
+                                       2 * size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
+};
+
+// Online-softmax step for a warp's 16 rows; s in log2 units, overwritten with exp2(s - m_new).
+__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m[hr], mx);
+    alpha[hr] = exp2f(m[hr] - mn);
+    m[hr] = mn;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][2 * hr] = exp2f(s[nt][2 * hr] - mn);
+      s[nt][2 * hr + 1] = exp2f(s[nt][2 * hr + 1] - mn);
+      sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
+    }
+    l[hr] = l[hr] * alpha[hr] + sum;
+  }
+}
+
+template <typename T, int K, int V>
+__global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
+  using S = FwdSmem<T, K, V>;
+  constexpr int LK = S::LK, LV = S::LV;
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + 2 * kChunk * LK;
+  __half* Ws = reinterpret_cast<__half*>(Vs + 2 * kChunk * LV);
+  __half* W2s = Ws + 2 * kChunk * LK;
+  float* Gk = reinterpret_cast<float*>(W2s + 2 * kChunk * LK);
+
+  const int item = blockIdx.x;
+  const ChunkDesc ch = p.chunks[p.order[item / p.HQ]];
+  const int hq = item % p.HQ, h = hq / p.group;
+  const int qc = ch.c, nq = min(kChunk, ch.len - qc * kChunk);
+  const int64_t seq_tok0 = ch.b * p.T + ch.t0;
+  const int64_t tokq0 = seq_tok0 + int64_t(qc) * kChunk;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int rr[2] = {16 * warp + g, 16 * warp + g + 8};
+  const float LOG2E = 1.4426950408889634f;
+  const float sl2 = p.scale * LOG2E, gl2 = p.gate ? p.gate_scale * LOG2E : 0.f;
+  const T* vp = static_cast<const T*>(p.v);
+  const T* ktp = static_cast<const T*>(p.kt);
+
+  auto load_chunk = [&](int kc, int st, int nvalid) {
+    const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+    const int64_t pos = ch.t0 + int64_t(kc) * kChunk;
+    load_tile_async<K>(Ks + st * kChunk * LK, ktp + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+    load_tile_async<V>(Vs + st * kChunk * LV, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], nvalid);
+    load_tile_async<K>(Ws + st * kChunk * LK, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+    load_tile_async<K>(W2s + st * kChunk * LK, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+    cp_async_commit();
+    for (int j = threadIdx.x; j < kChunk; j += blockDim.x)
+      Gk[st * kChunk + j] = (p.gate && j < nvalid) ? p.G[(tok + j) * p.HQ + hq] : 0.f;
+  };
+
+  // Query state: chunk-start queries q~ (fp32), rows past the sequence are zero.
+  float qt[K / 8][4];
+  float Gq[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = rr[hr];
+    const float* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      float2 v2 = r < nq ? *reinterpret_cast<const float2*>(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+      qt[nt][2 * hr] = v2.x;
+      qt[nt][2 * hr + 1] = v2.y;
+    }
+    Gq[hr] = (p.gate && r < nq) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
+  }
+  float o[V / 8][4];
+  zero_acc(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+
+  // Diagonal chunk.
+  load_chunk(qc, 0, nq);
+  cp_async_wait_all();
+  __syncthreads();
+  if (qc > 0) load_chunk(qc - 1, 1, kChunk);
+  {
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
+        float val;
+        if (r < nq) {
+          val = c <= r ? p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] * sl2 + Gq[e >> 1] - Gk[c] * gl2 : -INFINITY;
+        } else {
+          val = c == 0 ? 0.f : -INFINITY;  // padding rows: finite, never stored
+        }
+        s[nt][e] = val;
+      }
+    softmax_step(s, m, l, alpha);
+    warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vs, LV, 0);
+  }
+  // Key chunks right to left.
+  for (int kc = qc - 1; kc >= 0; --kc) {
+    const int st = (qc - kc) & 1;
+    cp_async_wait_all();
+    __syncthreads();
+    if (kc > 0) load_chunk(kc - 1, st ^ 1, kChunk);
+    const T* Kst = Ks + st * kChunk * LK;
+    const T* Vst = Vs + st * kChunk * LV;
+    const float* Gks = Gk + st * kChunk;
+    float s[8][4];
+    zero_acc(s);
+    warp_mma_rs<T, K / 16, 8, false>(s, qt, 1.f, Kst, LK, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gks[8 * nt + 2 * t4 + (e & 1)] * gl2;
+    softmax_step(s, m, l, alpha);
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt) {
+      o[nt][0] *= alpha[0];
+      o[nt][1] *= alpha[0];
+      o[nt][2] *= alpha[1];
+      o[nt][3] *= alpha[1];
+    }
+    warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
+    if (kc > 0) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
+      float x[8][4];
+      zero_acc(x);
+      warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws + st * kChunk * LK, LK, 0);
+      warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s + st * kChunk * LK, LK, 0);
+    }
+  }
+  // Finalise: o / l, lse = (m + log2 l) ln 2.
+  T* op = static_cast<T*>(p.o);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int r = rr[hr];
+    if (r >= nq) continue;
+    const float inv = 1.f / lt;
+    const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
+    T* orow = op + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt) {
+      orow[8 * nt + 2 * t4] = from_f<T>(o[nt][2 * hr] * inv);
+      orow[8 * nt + 2 * t4 + 1] = from_f<T>(o[nt][2 * hr + 1] * inv);
+    }
+    if (p.lse && t4 == 0)
+      p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
+  }
+}
+
+template <typename T, int K, int V>
+cudaError_t fwd_t(const KernelParams& p, cudaStream_t s) {
+  const size_t smem = FwdSmem<T, K, V>::bytes;
+  auto kern = fwd_scan_kernel<T, K, V>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  kern<<<unsigned(int64_t(p.nchunks) * p.HQ), kFwdThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t fwd_dispatch(const KernelParams& p, cudaStream_t s) {
+  if (p.K == 64 && p.V == 64) return fwd_t<T, 64, 64>(p, s);
+  if (p.K == 64 && p.V == 128) return fwd_t<T, 64, 128>(p, s);
+  if (p.K == 128 && p.V == 64) return fwd_t<T, 128, 64>(p, s);
+  return fwd_t<T, 128, 128>(p, s);
+}
+
+}  // namespace
+
+size_t smem_fwd_scan(int K, int V) {
+  // Same formula as FwdSmem (the element type of k~ and v is 2 bytes for both fp16 and bf16).
+  return 2 * (size_t(kChunk) * (K + 8) * 2 + size_t(kChunk) * (V + 8) * 2 + 2 * size_t(kChunk) * (K + 8) * 2 +
+              kChunk * sizeof(float));
+}
+
+cudaError_t launch_fwd_scan(const KernelParams& p, int dtype, cudaStream_t s) {
+  return dtype == 0 ? fwd_dispatch<__half>(p, s) : fwd_dispatch<__nv_bfloat16>(p, s);
+}
+
+}  // namespace pathattn::cuda

@@ -1,0 +1,76 @@
+// cuda/kernel_params.h: the one plain struct that carries a call from the adapter (backend.cu) to every
+// kernel: raw pointers, element strides, sizes, the chunk table and workspace pointers. Host- and
+// device-visible; no framework types. Launchers take it by value plus a stream.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace pathattn::cuda {
+
+// Chunk size C of the UT transform and the query/key tile of every kernel. 64 rows make one mma tile of
+// 4 warps x 16 rows, and keep the fp32 chunk kernels within the shared memory of an A100 at K = 128.
+inline constexpr int kChunk = 64;
+
+// One chunk of one sequence. Token index tok = b * T + t0 + c * kChunk + r addresses the workspace.
+struct ChunkDesc {
+  int64_t b;    // batch row
+  int64_t t0;   // first position of the sequence within row b
+  int32_t len;  // sequence length
+  int32_t c;    // chunk index within the sequence
+  int32_t first;  // index (in the chunk table) of the sequence's chunk 0
+  int32_t pad;
+};
+
+struct KernelParams {
+  // Sizes.
+  int B, T, H, HQ, group, K, V;
+  int nchunks;      // entries of the chunk table
+  int max_chunks;   // most chunks of any one sequence
+  bool path, gate;
+  float scale, gate_scale;
+
+  // Inputs (element strides for dims b, t, h; the last dim is contiguous).
+  const void *q, *k, *v;
+  int64_t q_s[3], k_s[3], v_s[3];
+  const float *w, *beta, *g;
+  int64_t w_s[3], beta_s[3], g_s[3];
+  // Forward outputs / backward inputs.
+  void* o;
+  int64_t o_s[3];
+  float* lse;  // may be null in the forward
+  int64_t lse_s[3];
+  const void* dout;
+  int64_t do_s[3];
+  // Backward outputs.
+  void *dq, *dk, *dv;
+  int64_t dq_s[3], dk_s[3], dv_s[3];
+  float *dw, *dbeta, *dg;
+  int64_t dw_s[3], dbeta_s[3], dg_s[3];
+
+  // Chunk table (device) and the order in which the scan kernels take chunks (most work first).
+  const ChunkDesc* chunks;
+  const int32_t* order;
+
+  // Workspace, contiguous, token-major (NT = B * T tokens).
+  __half* w16;      // [NT, H, K]   w in fp16 (transport operand)
+  __half* w2h;      // [NT, H, K]   W2 = E diag(beta) W per chunk, fp16
+  void* kt;         // [NT, H, K]   keys moved to their chunk's end, dtype of k
+  float* qtl;       // [NT, HQ, K]  queries moved to their chunk's start (fp32)
+  float* aloc;      // [NT, HQ, C]  diagonal-chunk logits (unscaled); backward: scale * dS of the diagonal
+  float* G;         // [NT, HQ]     inclusive gate cumsum (gate only)
+  // Backward workspace.
+  float* delta;     // [NT, HQ]     rowsum(dO * O)
+  float* dqt;       // [NT, HQ, K]  gradient w.r.t. the chunk-start queries
+  float* dvdiag;    // [NT, HQ, V]  diagonal-chunk P^T dO per query head
+  float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns)
+  float* dgcol;     // [NT, HQ]     gate-gradient terms of off-diagonal key columns
+  float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
+  float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
+  float* dvk;       // [NT, H, V]   off-diagonal P^T dO summed over the group
+  __half* scratch;  // [grid, max_chunks, C, K] per-CTA transported states (memory-linear in T)
+  bool deterministic;
+};
+
+}  // namespace pathattn::cuda

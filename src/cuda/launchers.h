@@ -1,0 +1,39 @@
+// cuda/launchers.h: raw launchers of the PaTH kernels (middle layer: KernelParams + stream in, launch,
+// cudaError_t out). The adapter in backend.cu fills KernelParams from a validated core::Problem.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/kernel_params.h"
+
+namespace pathattn::cuda {
+
+// dtype code of q/k/v: 0 = fp16, 1 = bf16.
+// Per (chunk, kv head): UT transform in fp32; writes w16, w2h, kt and per query head qtl, aloc.
+cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s);
+// Per (sequence, query head): G = inclusive cumsum of g.
+cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);
+// Forward scan: per (query chunk, query head), keys right to left; writes o and lse.
+cudaError_t launch_fwd_scan(const KernelParams& p, int dtype, cudaStream_t s);
+// Backward: delta = rowsum(dO * O).
+cudaError_t launch_bwd_delta(const KernelParams& p, int dtype, cudaStream_t s);
+// Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots).
+cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, cudaStream_t s);
+// Key-side pass (dkt, dvk, dgcol).
+cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s);
+// Chunk-local backward through the UT transform: dq, dk, dv, dw, dbeta.
+cudaError_t launch_bwd_chunk(const KernelParams& p, int dtype, cudaStream_t s);
+// dg = reverse cumsum of (dgrow + dgcol) per (sequence, query head).
+cudaError_t launch_bwd_dg(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);
+
+// Persistent-grid sizes: how many CTAs of the backward passes fit on the device at once.
+int bwd_q_max_grid(const KernelParams& p, int dtype);
+int bwd_k_max_grid(const KernelParams& p, int dtype);
+// Dynamic shared memory each kernel asks for (for the "device too small" check).
+size_t smem_fwd_scan(int K, int V);
+size_t smem_chunk_prep(int K);
+size_t smem_bwd_q(int K, int V);
+size_t smem_bwd_k(int K, int V);
+size_t smem_bwd_chunk(int K);
+
+}  // namespace pathattn::cuda
