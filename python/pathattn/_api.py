@@ -239,8 +239,8 @@ def backend_available(backend):
             if not torch.cuda.is_available():
                 ok = False
             else:
-                x = torch.zeros((1, 1, 1, 8), device="cuda", dtype=torch.bfloat16)
-                wv = torch.zeros((1, 1, 1, 8), device="cuda", dtype=torch.float32)
+                x = torch.zeros((1, 1, 1, 64), device="cuda", dtype=torch.bfloat16)
+                wv = torch.zeros((1, 1, 1, 64), device="cuda", dtype=torch.float32)
                 bv = torch.zeros((1, 1, 1), device="cuda", dtype=torch.float32)
                 parallel_path_attn(x, x, x, wv, bv, backend="cuda")
         else:
@@ -248,5 +248,7 @@ def backend_available(backend):
             parallel_path_attn(x, x, x, x, np.zeros((1, 1, 1), np.float32), backend=backend)
     except _C.BackendUnavailableError:
         ok = False
+    except _C.UnsupportedError:
+        pass  # the backend exists; it only lacks the probe's head dim
     _available[code] = ok
     return ok

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _torch_ops  # noqa: F401  (the custom ops, even when PATHATTN_NO_TORCH skipped them at import)
 from . import decode as _decode
 from ._api import parallel_path_attn
 
