@@ -99,6 +99,7 @@ struct BwdK {
       }
     }
     for (int idx = threadIdx.x; idx < kChunk * LG; idx += blockDim.x) hs[idx] = 0.f;
+    __syncthreads();  // the last chunk has no pass-2 iteration: its outputs read hs right away
     float dv[V / 8][4];
     zero_acc(dv);
     // ---- pass 2: query chunks right to left.
@@ -198,7 +199,7 @@ struct BwdK {
       }
     }
     // ---- outputs: dk~ = h_{kc+1}, dv (off-diagonal part, summed over the group).
-    __syncwarp();
+    __syncthreads();
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int j = rr[hr];

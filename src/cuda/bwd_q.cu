@@ -259,8 +259,8 @@ struct BwdQ {
 #pragma unroll
         for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
     }
-    // ---- outputs: dq~ = gbar, gate row terms.
-    __syncwarp();
+    // ---- outputs: dq~ = gbar, gate row terms (dga and gb rows were written by other warps when qc == 0).
+    __syncthreads();
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       float a = rs[hr];

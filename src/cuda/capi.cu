@@ -2,6 +2,8 @@
 // (e.g. Python through ctypes with torch tensors' data_ptr()). Contiguous tensors only; validation is the
 // library's own (core::check_fwd / check_bwd). Returns 0 on success, else the Status code, with the
 // message copied into err[0 .. errlen).
+#include <cuda_runtime.h>
+
 #include <cstring>
 
 #include "core/problem.h"
@@ -92,6 +94,18 @@ int pathattn_cuda_bwd(const void* q, const void* k, const void* v, const float* 
   Status s = core::check_bwd(p, &pr);
   if (s.ok() && !pr.seqs.empty()) s = cuda::bwd(p, pr);
   return finish(s, err, errlen);
+}
+
+// High-water mark in bytes of the default stream-ordered memory pool (where the backend's workspace lives);
+// reset != 0 clears it first. Returns -1 on error.
+int64_t pathattn_cuda_pool_high_water(int reset) {
+  int dev = 0;
+  cudaMemPool_t pool;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetDefaultMemPool(&pool, dev) != cudaSuccess) return -1;
+  unsigned long long v = 0;
+  if (reset && cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v) != cudaSuccess) return -1;
+  if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v) != cudaSuccess) return -1;
+  return int64_t(v);
 }
 
 }  // extern "C"

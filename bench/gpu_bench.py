@@ -1,0 +1,289 @@
+"""bench/gpu_bench.py: the training-op benchmark of BENCH.md on one GPU, in one process on the same inputs:
+pathattn's CUDA backend (through the C ABI library libpathattn_capi.so, loaded with ctypes), torch SDPA with
+the cuDNN and the flash backends, and flash-linear-attention's parallel_path_attn (Triton, fla-core wheel).
+Also: bf16 accuracy of ours and of FLA against an fp64 brute-force reference, and peak memory of fwd+bwd.
+Writes a markdown table (--out) and prints it. Benchmarks never gate anything.
+"""
+import argparse
+import ctypes
+import datetime
+import math
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+LIB = None
+
+
+def load_lib(path):
+    global LIB
+    LIB = ctypes.CDLL(path)
+    f = LIB.pathattn_cuda_fwd
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double,
+                                                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                                  ctypes.c_char_p, ctypes.c_int]
+    b = LIB.pathattn_cuda_bwd
+    b.restype = ctypes.c_int
+    b.argtypes = [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_double, ctypes.c_double,
+                                                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                                   ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+
+
+def ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def ours_fwd(q, k, v, w, beta, g, o, lse):
+    B, T, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[3]
+    err = ctypes.create_string_buffer(512)
+    rc = LIB.pathattn_cuda_fwd(ptr(q), ptr(k), ptr(v), ptr(w), ptr(beta), ptr(g), ptr(o), ptr(lse), B, T, HQ, H, K, V,
+                               0 if q.dtype == torch.float16 else 1, math.nan, math.nan, None, 0,
+                               ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), err, 512)
+    if rc != 0:
+        raise RuntimeError(err.value.decode())
+
+
+def ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg, deterministic=False):
+    B, T, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[3]
+    err = ctypes.create_string_buffer(512)
+    rc = LIB.pathattn_cuda_bwd(ptr(q), ptr(k), ptr(v), ptr(w), ptr(beta), ptr(g), ptr(o), ptr(lse), ptr(do), ptr(dq),
+                               ptr(dk), ptr(dv), ptr(dw), ptr(dbeta), ptr(dg), B, T, HQ, H, K, V,
+                               0 if q.dtype == torch.float16 else 1, math.nan, math.nan, None, 0,
+                               1 if deterministic else 0, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                               err, 512)
+    if rc != 0:
+        raise RuntimeError(err.value.decode())
+
+
+def make_inputs(B, T, HQ, H, K, V, gate, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, HQ, K, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(B, T, H, K, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(B, T, H, V, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(B, T, H, K, device="cuda", dtype=torch.float32, generator=gen)
+    w = w / w.norm(dim=-1, keepdim=True)
+    beta = 2 * torch.rand(B, T, H, device="cuda", dtype=torch.float32, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HQ, device="cuda", dtype=torch.float32, generator=gen) + 3) if gate else None
+    do = torch.randn(B, T, HQ, V, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, w, beta, g, do
+
+
+def ref_fp64(q, k, v, w, beta, g, scale=None):
+    """o of PaTH in fp64 by brute force: the queries are moved one Householder step at a time (SPEC.md)."""
+    B, T, HQ, K = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    scale = scale if scale is not None else K ** -0.5
+    qd = q.double().transpose(1, 2)
+    kd = k.double().repeat_interleave(G, dim=2).transpose(1, 2)
+    vd = v.double().repeat_interleave(G, dim=2).transpose(1, 2)
+    wd = w.double().repeat_interleave(G, dim=2).transpose(1, 2)
+    bd = beta.double().repeat_interleave(G, dim=2).transpose(1, 2)
+    logits = torch.full((B, HQ, T, T), float("-inf"), dtype=torch.float64, device=q.device)
+    qt = qd.clone()
+    for j in range(T - 1, -1, -1):
+        logits[:, :, j:, j] = (qt[:, :, j:, :] * kd[:, :, j, None, :]).sum(-1)
+        if j > 0:
+            c = (qt[:, :, j:, :] * wd[:, :, j, None, :]).sum(-1, keepdim=True) * bd[:, :, j, None, None]
+            qt[:, :, j:, :] -= c * wd[:, :, j, None, :]
+    s = logits * scale
+    if g is not None:
+        Gc = g.double().transpose(1, 2).cumsum(-1)
+        s = s + scale * (Gc[..., :, None] - Gc[..., None, :])
+    o = torch.softmax(s, dim=-1) @ vd
+    return o.transpose(1, 2)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default="build-cuda/libpathattn_capi.so")
+    ap.add_argument("--out", default="bench/results/gpu_h200.md")
+    ap.add_argument("--Ts", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--quick", action="store_true", help="MHA rows only (no GQA / FoX rows)")
+    args = ap.parse_args()
+    load_lib(args.lib)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        from fla.ops.path_attn import parallel_path_attn
+    except Exception as e:  # noqa: BLE001
+        print("fla import failed:", e)
+        parallel_path_attn = None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lines = []
+    dev = torch.cuda.get_device_name()
+    commit = os.environ.get("PATHATTN_COMMIT", "?")
+    lines.append(f"# PaTH training op on {dev}\n")
+    lines.append(f"Date {datetime.date.today()}, commit {commit}, torch {torch.__version__}, "
+                 f"fla-core {getattr(sys.modules.get('fla'), '__version__', '?')}. "
+                 f"Command: `scripts/gpu_suite.sh` (bench/gpu_bench.py). bf16, causal, B*T = 32768 tokens per call, "
+                 f"median of triton do_bench. Ratios > 1 mean slower than the reference.\n")
+
+    # ---- accuracy against fp64 (BENCH.md: ours must be no worse than FLA on the same inputs).
+    lines.append("## Accuracy (bf16 o, relative L2 against fp64 brute force)\n")
+    lines.append("| T | K | gate | ours | FLA |")
+    lines.append("|---|---|---|---|---|")
+    for T, K, gate in [(512, 64, False), (512, 64, True), (2048, 128, False), (2048, 128, True)]:
+        q, k, v, w, beta, g, do = make_inputs(1, T, 2, 2, K, K, gate, seed=T + K)
+        ref = ref_fp64(q, k, v, w, beta, g)
+        o = torch.empty_like(q[..., :K])
+        lse = torch.empty(1, T, 2, device="cuda", dtype=torch.float32)
+        ours_fwd(q, k, v, w, beta, g, o, lse)
+        e_ours = rel(o, ref)
+        e_fla = float("nan")
+        if parallel_path_attn is not None:
+            try:
+                of, _ = parallel_path_attn(q, k, v, w, beta, g=g)
+                e_fla = rel(of, ref)
+            except Exception as ex:  # noqa: BLE001
+                print("FLA failed:", ex)
+        lines.append(f"| {T} | {K} | {gate} | {e_ours:.2e} | {e_fla:.2e} |")
+        print(lines[-1], flush=True)
+        del ref
+
+    # ---- speed.
+    lines.append("\n## Speed (ms; ratio = time / time of cuDNN or FLA)\n")
+    lines.append("| K | HQ:H | gate | T | cuDNN fwd | flash fwd | FLA fwd | ours fwd | cuDNN f+b | FLA f+b | ours f+b | "
+                 "ours/cuDNN fwd | ours/FLA fwd | ours/cuDNN f+b | ours/FLA f+b |")
+    lines.append("|" + "---|" * 15)
+    Ts = [int(x) for x in args.Ts.split(",")]
+    configs = [(128, 16, 16, False), (64, 32, 32, False)]
+    if not args.quick:
+        configs += [(128, 16, 4, False), (64, 32, 32, True)]
+    for K, HQ, H, gate in configs:
+        for T in Ts:
+            B = 32768 // T
+            q, k, v, w, beta, g, do = make_inputs(B, T, HQ, H, K, K, gate, seed=T)
+            o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
+            lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
+            dg = torch.empty_like(g) if g is not None else None
+
+            def f_ours():
+                ours_fwd(q, k, v, w, beta, g, o, lse)
+
+            def fb_ours():
+                ours_fwd(q, k, v, w, beta, g, o, lse)
+                ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+
+            r = {}
+            r["ours_f"] = do_bench(f_ours, warmup=25, rep=100, return_mode="median")
+            r["ours_fb"] = do_bench(fb_ours, warmup=25, rep=100, return_mode="median")
+            qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
+            if HQ != H:
+                ks = ks.repeat_interleave(HQ // H, dim=1)
+                vs = vs.repeat_interleave(HQ // H, dim=1)
+            for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(be):
+                        r[name + "_f"] = do_bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                                                  warmup=25, rep=100, return_mode="median")
+                        qg, kg, vg = (x.detach().requires_grad_() for x in (qs, ks, vs))
+                        dos = do.transpose(1, 2)
+
+                        def fb():
+                            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+                            out.backward(dos)
+                        r[name + "_fb"] = do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=[qg, kg, vg])
+                except Exception as ex:  # noqa: BLE001
+                    print(name, "failed:", ex)
+            if parallel_path_attn is not None:
+                try:
+                    r["fla_f"] = do_bench(lambda: parallel_path_attn(q, k, v, w, beta, g=g), warmup=25, rep=100,
+                                          return_mode="median")
+                    qg, kg, vg, wg, bg = (x.detach().requires_grad_() for x in (q, k, v, w, beta))
+                    gg = g.detach().requires_grad_() if g is not None else None
+
+                    def fbf():
+                        out, _ = parallel_path_attn(qg, kg, vg, wg, bg, g=gg)
+                        out.backward(do)
+                    r["fla_fb"] = do_bench(fbf, warmup=5, rep=40, return_mode="median",
+                                           grad_to_none=[x for x in (qg, kg, vg, wg, bg, gg) if x is not None])
+                except Exception as ex:  # noqa: BLE001
+                    print("FLA failed:", ex)
+            nan = float("nan")
+            g_ = lambda key: r.get(key, nan)  # noqa: E731
+            row = (f"| {K} | {HQ}:{H} | {gate} | {T} | {g_('cudnn_f'):.2f} | {g_('flash_f'):.2f} | {g_('fla_f'):.2f} | "
+                   f"{g_('ours_f'):.2f} | {g_('cudnn_fb'):.2f} | {g_('fla_fb'):.2f} | {g_('ours_fb'):.2f} | "
+                   f"{g_('ours_f') / g_('cudnn_f'):.2f} | {g_('ours_f') / g_('fla_f'):.2f} | "
+                   f"{g_('ours_fb') / g_('cudnn_fb'):.2f} | {g_('ours_fb') / g_('fla_fb'):.2f} |")
+            lines.append(row)
+            print(row, flush=True)
+            del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
+            torch.cuda.empty_cache()
+
+    # ---- peak memory of forward + backward, extra over the inputs (BENCH.md shape).
+    lines.append("\n## Peak memory of forward+backward, extra over the inputs (B=4, T=16384, HQ=H=24, K=V=64, bf16)\n")
+    lines.append("| op | GiB |")
+    lines.append("|---|---|")
+    B, T, HQ, H, K = 4, 16384, 24, 24, 64
+    q, k, v, w, beta, g, do = make_inputs(B, T, HQ, H, K, K, False, seed=1)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def mem_ours():
+        o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
+        lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
+        ours_fwd(q, k, v, w, beta, None, o, lse)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
+        ours_bwd(q, k, v, w, beta, None, o, lse, do, dq, dk, dv, dw, dbeta, None)
+
+    def mem_cudnn():
+        qg, kg, vg = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+            out.backward(do.transpose(1, 2))
+
+    def mem_fla():
+        qg, kg, vg, wg, bg = (x.detach().requires_grad_() for x in (q, k, v, w, beta))
+        out, _ = parallel_path_attn(qg, kg, vg, wg, bg)
+        out.backward(do)
+
+    for name, fn in (("cuDNN SDPA", mem_cudnn), ("FLA parallel_path_attn", mem_fla), ("ours (torch-allocated outputs)", mem_ours)):
+        try:
+            lines.append(f"| {name} | {peak(fn):.2f} |")
+        except Exception as ex:  # noqa: BLE001
+            lines.append(f"| {name} | failed: {str(ex)[:80]} |")
+        print(lines[-1], flush=True)
+    # Our workspace lives in the stream-ordered pool (cudaMallocAsync), which torch's counter does not see:
+    # add the pool's high-water mark during the same call.
+    try:
+        LIB.pathattn_cuda_pool_high_water.restype = ctypes.c_int64
+        LIB.pathattn_cuda_pool_high_water(1)
+        outs = peak(mem_ours)
+        ws = LIB.pathattn_cuda_pool_high_water(0) / 2**30
+        lines.append(f"| ours: workspace high-water (stream-ordered pool) | {ws:.2f} |")
+        lines.append(f"| ours: total (outputs + workspace) | {outs + ws:.2f} |")
+        print(lines[-2], lines[-1], flush=True)
+    except Exception as ex:  # noqa: BLE001
+        print("pool query failed:", ex)
+
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# scripts/gpu_suite.sh: everything the CUDA backend needs checked on a GPU machine, in one go: build (unless
+# a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
+# racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing bench/results/gpu_h200.md.
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
+#   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
+#   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=build-cuda QUICK="" BENCH=1 TESTS=1 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) BUILD=$2; shift ;;
+    --quick) QUICK=--quick ;;
+    --Ts) TS=$2; shift ;;
+    --no-bench) BENCH=0 ;;
+    --no-tests) TESTS=0 ;;
+    --out) OUTDIR=$2; shift ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUTDIR"
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
+
+if [ -f "$BUILD/libs.tar.xz" ]; then
+  mkdir -p /tmp/pathattn_libs && tar xJf "$BUILD/libs.tar.xz" -C /tmp/pathattn_libs
+  export LD_LIBRARY_PATH=/tmp/pathattn_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+if [ ! -x "$BUILD/tests/cuda/test_cuda" ] && [ ! -x "$BUILD/test_cuda" ]; then
+  cmake -S . -B "$BUILD" -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release \
+    -DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" || exit 1
+  cmake --build "$BUILD" -j "$(nproc)" --target test_cuda pathattn_capi || exit 1
+fi
+TEST=$BUILD/tests/cuda/test_cuda
+[ -x "$TEST" ] || TEST=$BUILD/test_cuda
+CAPI=$BUILD/libpathattn_capi.so
+
+if [ "$TESTS" = 1 ]; then
+  echo "== GPU tests"
+  "$TEST" --gtest_color=no 2>&1 | tee "$OUTDIR/test_cuda.log" | grep -E "^\[(acc|race|long)\]|OK \]|FAILED|PASSED|SKIPPED|Failure|error|Expected|Which is|actual" || true
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if command -v compute-sanitizer > /dev/null; then
+    echo "== compute-sanitizer memcheck / racecheck (small cases)"
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST" --gtest_filter='CudaBackend.Varlen:CudaBackend.PlainAttentionWithoutW' \
+      > "$OUTDIR/memcheck.log" 2>&1; echo "memcheck rc=$?" | tee -a "$OUTDIR/memcheck.log"
+    tail -3 "$OUTDIR/memcheck.log"
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST" --gtest_filter='CudaBackend.PlainAttentionWithoutW' \
+      > "$OUTDIR/racecheck.log" 2>&1; echo "racecheck rc=$?" | tee -a "$OUTDIR/racecheck.log"
+    tail -3 "$OUTDIR/racecheck.log"
+  fi
+fi
+
+if [ "$BENCH" = 1 ]; then
+  echo "== benchmark"
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_site .whl/*.whl \
+      && export PYTHONPATH=/tmp/pathattn_site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  PATHATTN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?") PYTHONUNBUFFERED=1 \
+    python3 bench/gpu_bench.py --lib "$CAPI" --out bench/results/gpu_h200.md --Ts "$TS" $QUICK 2>&1 | tee "$OUTDIR/bench.log"
+  cp bench/results/gpu_h200.md "$OUTDIR/" 2>/dev/null || true
+fi
+exit $status
