@@ -66,12 +66,13 @@ def _host_lengths(cu):
 
 
 def _cache_arrays(q, k, v, g, num_seqs, capacity):
-    """Allocates kc [N,H,C,K], vc [N,H,C,V], gc [N,HQ,C] (or None), lengths [N] (host int64)."""
+    """Allocates kc [N,H,C,K], vc [N,H,C,V], gc [N,HQ,C] float64 (or None), lengths [N] (host int64)."""
     H, K, V, HQ = k.shape[2], k.shape[3], v.shape[3], q.shape[2]
     fdt = _float_dtype(q)
     kc = _zeros(q, (num_seqs, H, capacity, K), fdt)
     vc = _zeros(q, (num_seqs, H, capacity, V), fdt)
-    gc = _zeros(q, (num_seqs, HQ, capacity), fdt) if g is not None else None
+    gdt = np.float64 if _is_numpy(q) else __import__("torch").float64  # G_j grows with j: always fp64
+    gc = _zeros(q, (num_seqs, HQ, capacity), gdt) if g is not None else None
     lengths = np.zeros((num_seqs,), dtype=np.int64)
     return kc, vc, gc, lengths
 

@@ -328,7 +328,7 @@ Status check_cache(const DecodeCache& c, const Problem& pr, int64_t num_seqs, bo
   PA_TRY(check_output("cache.kc", c.kc, 4, ks, "[N, H, C, K]", fdt, dev));
   PA_TRY(check_output("cache.vc", c.vc, 4, vs, "[N, H, C, V]", fdt, dev));
   if (pr.gate) {
-    PA_TRY(check_output("cache.gc", c.gc, 3, gs, "[N, HQ, C]", fdt, dev));
+    PA_TRY(check_output("cache.gc", c.gc, 3, gs, "[N, HQ, C]", DType::f64, dev));
   } else if (c.gc.present()) {
     return bad("cache.gc: the cache has a gate slot but g is absent (pass g, or build the cache without gc)");
   }

@@ -130,8 +130,8 @@ void prefill_unit(const PathPrefillParams& p, const Problem& pr, const Seq& s, i
   for (int64_t j = 0; j < L; ++j) core::load_rows(f.v, s.b, s.t0 + j, 1, h, V, cache_row<Tc>(c.vc, n, h, j), V);
   if (pr.gate) {
     for (int64_t hq = h * pr.group; hq < (h + 1) * pr.group; ++hq) {
-      double G = 0;  // the cumsum itself in fp64 whatever the cache type (L scalars: free)
-      Tc* gc = cache_row<Tc>(c.gc, n, hq, 0);
+      double G = 0;  // gc is fp64 whatever the cache type: |G| grows linearly along the sequence
+      double* gc = cache_row<double>(c.gc, n, hq, 0);
       for (int64_t j = 0; j < L; ++j) {
         G += core::load_elem<double>(f.g.data, f.g.dtype, core::offset3(f.g, s.b, s.t0 + j, hq));
         gc[j * c.gc.stride[2]] = Tc(G);
@@ -238,12 +238,14 @@ void decode_unit(const PathDecodeParams& p, const Problem& pr, int64_t n, int64_
   const DecodeCache& c = p.cache;
   const int64_t K = pr.K, V = pr.V, G = pr.group, S = L + 1, B = kDecodeRows;
   std::vector<Tc>& buf = decode_scratch<Tc>();
-  const size_t need = size_t(G * K + K + 3 * G + G * B + G * V);
+  const size_t need = size_t(G * K + K + 2 * G + G * B + G * V);
   if (buf.size() < need) buf.resize(need);
+  thread_local std::vector<double> gnew_buf;
+  gnew_buf.resize(G);
+  double* gnew = gnew_buf.data();  // [G] G_new per query head (fp64, like gc)
   Tc* q = buf.data();    // [G, K]
   Tc* w = q + G * K;     // [K]
-  Tc* gnew = w + K;      // [G]
-  Tc* mx = gnew + G;     // [G] running max
+  Tc* mx = w + K;        // [G] running max
   Tc* den = mx + G;      // [G] running sum of exp(s - mx)
   Tc* sc = den + G;      // [G, B] scores of one block
   Tc* acc = sc + G * B;  // [G, V]
@@ -254,7 +256,7 @@ void decode_unit(const PathDecodeParams& p, const Problem& pr, int64_t n, int64_
     core::load_rows(p.w, n, 0, 1, h, K, w, K);
     beta = core::load_elem<Tc>(p.beta.data, p.beta.dtype, core::offset3(p.beta, n, 0, h));
   }
-  const Tc scale = Tc(pr.scale), gscale = Tc(pr.gate_scale);
+  const Tc scale = Tc(pr.scale);
 
   // Append the new token first (its key needs no transport: the empty product), so row L joins the pass.
   const int64_t ks = c.kc.stride[2], vs = c.vc.stride[2], gs = pr.gate ? c.gc.stride[2] : 0;
@@ -264,9 +266,9 @@ void decode_unit(const PathDecodeParams& p, const Problem& pr, int64_t n, int64_
   core::load_rows(p.v, n, 0, 1, h, V, cache_row<Tc>(c.vc, n, h, L), V);
   for (int64_t gi = 0; gi < G && pr.gate; ++gi) {
     const int64_t hq = h * G + gi;
-    Tc* gc = cache_row<Tc>(c.gc, n, hq, 0);
-    const Tc g = core::load_elem<Tc>(p.g.data, p.g.dtype, core::offset3(p.g, n, 0, hq));
-    gnew[gi] = (L > 0 ? gc[(L - 1) * gs] : Tc(0)) + g;
+    double* gc = cache_row<double>(c.gc, n, hq, 0);
+    const double g = core::load_elem<double>(p.g.data, p.g.dtype, core::offset3(p.g, n, 0, hq));
+    gnew[gi] = (L > 0 ? gc[(L - 1) * gs] : 0.0) + g;
     gc[L * gs] = gnew[gi];
   }
   std::fill(mx, mx + G, -std::numeric_limits<Tc>::infinity());
@@ -279,8 +281,9 @@ void decode_unit(const PathDecodeParams& p, const Problem& pr, int64_t n, int64_
     for (int64_t gi = 0; gi < G; ++gi) {
       Tc* s = sc + gi * B;
       if (pr.gate) {
-        const Tc* gc = cache_row<Tc>(c.gc, n, h * G + gi, j0);
-        for (int64_t j = 0; j < nb; ++j) s[j] += gscale * (gnew[gi] - gc[j * gs]);
+        // The difference is taken in fp64, then rounded once: its error scales with G_new - G_j, not |G|.
+        const double* gc = cache_row<double>(c.gc, n, h * G + gi, j0);
+        for (int64_t j = 0; j < nb; ++j) s[j] += Tc(pr.gate_scale * (gnew[gi] - gc[j * gs]));
       }
       Tc m = mx[gi];
       for (int64_t j = 0; j < nb; ++j) m = std::max(m, s[j]);
