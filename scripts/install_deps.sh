@@ -3,8 +3,10 @@
 # already installed (as root, or through sudo). Used by scripts/setup.sh and .ci/run.
 set -euo pipefail
 
+# C++: build tools, OpenBLAS (OpenMP build), CLI11, nlohmann-json, Google Test, Google Benchmark.
+# Python package (scripts/test_python.sh builds it with pip in a venv): the interpreter, venv and headers.
 pkgs=(cmake ninja-build g++ pkg-config libopenblas-openmp-dev libcli11-dev nlohmann-json3-dev libgtest-dev
-      libbenchmark-dev)
+      libbenchmark-dev python3 python3-venv python3-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
