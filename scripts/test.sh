@@ -2,7 +2,7 @@
 # scripts/test.sh: the test command (README, .ci/run). Stages, each run even if an earlier one failed, with
 # a summary at the end and a non-zero exit code if any failed:
 #   1. Release build in build/ and the whole ctest suite;
-#   2. install to a temporary prefix, build examples/find_package against it (find_package(pathattn)), run it;
+#   2. install into build-install/, build examples/find_package against it (find_package(pathattn)), run it;
 #   3. AddressSanitizer + UndefinedBehaviorSanitizer build in build-asan/ (RelWithDebInfo) and the ctest
 #      suite except the long-running tests: those matching $asan_exclude below (minutes in Release, 3-5x
 #      that under the sanitizers; their code paths are also covered by shorter tests) and any test
