@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <cstring>
 #include <fstream>
@@ -59,13 +60,15 @@ RunConfig tiny_flipflop(AttnKind attn) {
 }
 
 TEST(EngineTrain, TinyFlipFlopLearns) {
-  // Guessing a bit gives loss ln 2 = 0.693 and 50% error; the trained model must be far below both.
+  // Guessing a bit gives loss ln 2 = 0.693 and 50% error; the trained model must be far below both
+  // (measured: loss 5e-4, error 0 after 150 steps).
   RunOptions ro;
   ro.progress = false;
   const RunResult r = train_run(tiny_flipflop(AttnKind::path), ro);
   ASSERT_TRUE(r.finished);
-  EXPECT_LT(r.eval["id"]["loss"].get<double>(), 0.25) << r.eval.dump();
-  EXPECT_LT(r.eval["id"]["error"].get<double>(), 0.10) << r.eval.dump();
+  std::printf("tiny flip-flop after %lld steps: %s\n", (long long)r.steps_done, r.eval.dump().c_str());
+  EXPECT_LT(r.eval["id"]["loss"].get<double>(), 0.05) << r.eval.dump();
+  EXPECT_LT(r.eval["id"]["error"].get<double>(), 0.02) << r.eval.dump();
 }
 
 TEST(EngineTrain, ScheduleWarmupAndCosine) {
