@@ -35,4 +35,5 @@ add_library(pathattn_capi SHARED src/cuda/capi.cu src/core/validate.cpp $<TARGET
 set_target_properties(pathattn_capi PROPERTIES CUDA_ARCHITECTURES OFF)
 target_include_directories(pathattn_capi PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
 target_compile_options(pathattn_capi PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3>)
+target_compile_definitions(pathattn_capi PRIVATE PATHATTN_WITH_CUDA)
 target_link_libraries(pathattn_capi PRIVATE CUDA::cudart_static)
