@@ -111,6 +111,7 @@ def main():
     ap.add_argument("--out", default="bench/results/gpu_h200.md")
     ap.add_argument("--Ts", default="1024,2048,4096,8192,16384")
     ap.add_argument("--quick", action="store_true", help="MHA rows only (no GQA / FoX rows)")
+    ap.add_argument("--profile", action="store_true", help="also print our per-kernel times (stderr) per shape")
     args = ap.parse_args()
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -221,6 +222,11 @@ def main():
                    f"{g_('ours_fb') / g_('cudnn_fb'):.2f} | {g_('ours_fb') / g_('fla_fb'):.2f} |")
             lines.append(row)
             print(row, flush=True)
+            if args.profile:
+                os.environ["PATHATTN_CUDA_PROFILE"] = "1"
+                fb_ours()
+                torch.cuda.synchronize()
+                del os.environ["PATHATTN_CUDA_PROFILE"]
             del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
             torch.cuda.empty_cache()
 

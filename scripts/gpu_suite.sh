@@ -2,7 +2,7 @@
 # scripts/gpu_suite.sh: everything the CUDA backend needs checked on a GPU machine, in one go: build (unless
 # a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
 # racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing bench/results/gpu_h200.md.
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
 set -uo pipefail
@@ -11,7 +11,8 @@ BUILD=build-cuda QUICK="" BENCH=1 TESTS=1 OUTDIR=${OUT:-gpu_out} TS=1024,2048,40
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
-    --quick) QUICK=--quick ;;
+    --quick) QUICK="$QUICK --quick" ;;
+    --profile) QUICK="$QUICK --profile" ;;
     --Ts) TS=$2; shift ;;
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
@@ -59,7 +60,7 @@ if [ "$BENCH" = 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_site .whl/*.whl \
       && export PYTHONPATH=/tmp/pathattn_site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  PATHATTN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?") PYTHONUNBUFFERED=1 \
+  PATHATTN_COMMIT=${PATHATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")} PYTHONUNBUFFERED=1 \
     python3 bench/gpu_bench.py --lib "$CAPI" --out bench/results/gpu_h200.md --Ts "$TS" $QUICK 2>&1 | tee "$OUTDIR/bench.log"
   cp bench/results/gpu_h200.md "$OUTDIR/" 2>/dev/null || true
 fi
