@@ -3,6 +3,8 @@
 // allocates the workspace stream-ordered (cudaMallocAsync: every buffer is O(T), none O(T^2)), and runs
 // the launch sequence on the caller's stream.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -162,6 +164,40 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
 
 int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
 
+// Per-kernel timing for kernel work (PATHATTN_CUDA_PROFILE=1 in the environment): events between launches,
+// printed to stderr after a synchronize. Off by default: no events, no synchronization.
+class Profile {
+ public:
+  Profile(cudaStream_t s, const char* what) : s_(s), what_(what), on_(std::getenv("PATHATTN_CUDA_PROFILE") != nullptr) {
+    mark("start");
+  }
+  void mark(const char* name) {
+    if (!on_) return;
+    cudaEvent_t e;
+    cudaEventCreate(&e);
+    cudaEventRecord(e, s_);
+    ev_.push_back({name, e});
+  }
+  ~Profile() {
+    if (!on_ || ev_.size() < 2) return;
+    cudaEventSynchronize(ev_.back().second);
+    std::fprintf(stderr, "[profile] %s:", what_);
+    for (size_t i = 1; i < ev_.size(); ++i) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, ev_[i - 1].second, ev_[i].second);
+      std::fprintf(stderr, " %s %.3f ms;", ev_[i].first, ms);
+    }
+    std::fprintf(stderr, "\n");
+    for (auto& e : ev_) cudaEventDestroy(e.second);
+  }
+
+ private:
+  cudaStream_t s_;
+  const char* what_;
+  bool on_;
+  std::vector<std::pair<const char*, cudaEvent_t>> ev_;
+};
+
 }  // namespace
 
 const char* supported_head_dims() { return "K, V in {64, 128}"; }
@@ -182,9 +218,12 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   Workspace ws(s);
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
+  Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
   PA_CU(launch_chunk_prep(kp, dt, s));
+  prof.mark("gate+chunk_prep");
   PA_CU(launch_fwd_scan(kp, dt, s));
+  prof.mark("fwd_scan");
   return Status::Ok();
 }
 
@@ -249,16 +288,21 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
   PA_CU(ws.alloc(&kp.scratch, size_t(std::max(gq, gk)) * kp.max_chunks * kChunk * K));
 
+  Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
   PA_CU(launch_chunk_prep(kp, dt, s));
   PA_CU(launch_bwd_delta(kp, dt, s));
+  prof.mark("gate+chunk_prep+delta");
   {
     KernelParams kq = kp;
     if (p.deterministic) kq.order = seq_first;
     PA_CU(launch_bwd_q(kq, dt, gq, q_items, s));
   }
+  prof.mark("bwd_q");
   PA_CU(launch_bwd_k(kp, dt, gk, s));
+  prof.mark("bwd_k");
   PA_CU(launch_bwd_chunk(kp, dt, s));
+  prof.mark("bwd_chunk");
   if (pr.gate) PA_CU(launch_bwd_dg(kp, seq_first, nseqs, s));
   return Status::Ok();
 }

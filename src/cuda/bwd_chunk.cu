@@ -67,16 +67,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
            [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
            [&](int r, int c, float s) { Xs[r * LC + c] = bs[r] * s; });
   __syncthreads();
-  if (tid < kChunk) {
-    const int c = tid;
-    for (int r = 0; r < c; ++r) Es[r * LC + c] = 0.f;
-    Es[c * LC + c] = 1.f;
-    for (int r = c + 1; r < kChunk; ++r) {
-      float s = 0.f;
-      for (int t = c; t < r; ++t) s = fmaf(Xs[r * LC + t], Es[t * LC + c], s);
-      Es[r * LC + c] = -s;
-    }
-  }
+  unit_lower_inverse(Xs, LC, Es, LC);
   __syncthreads();
   block_mm(kChunk, K, [&](int r, int s) { return Es[r * LC + s] * bs[s]; }, [&](int s, int d) { return Wf[s * LK + d]; },
            [&](int r, int c, int& lo, int& hi) { lo = 0; hi = r + 1; },
@@ -103,17 +94,31 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     for (int a = 0; a < K; ++a) s = fmaf(Wf[r * LK + a], Dm[a * K + d], s);
     return -s;
   });
-  owned_acc<K>(dWa, [&](int r, int a) {
-    float s = 0.f;
-    for (int b = 0; b < K; ++b) s = fmaf(W2f[r * LK + b], Dm[a * K + b], s);
-    float u = 0.f;
-    for (int j = 0; j < r; ++j) u = fmaf(Us[r * LC + j], dKt(j, a), u);
-    return -s - u;
-  });
-  owned_acc<K>(dKa, [&](int r, int d) { return dKt(r, d); });
-  block_mm(kChunk, kChunk, [&](int r, int a) { return Wf[r * LK + a]; }, [&](int a, int j) { return dKt(j, a); },
-           [&](int r, int j, int& lo, int& hi) { lo = 0; hi = j < r ? K : 0; },
-           [&](int r, int j, float s) { dUs[r * LC + j] -= s; });
+  {
+    // dW += -W2 D^T: lanes run over rows r so that D[a][.] is a broadcast; staged in Xs/dXs as [a][65].
+    float* T1 = Xs;
+    for (int idx = tid; idx < kChunk * K; idx += kThreads) {
+      const int r = idx % kChunk, a = idx / kChunk;
+      float s = 0.f;
+      for (int b = 0; b < K; ++b) s = fmaf(W2f[r * LK + b], Dm[a * K + b], s);
+      T1[a * LC + r] = s;
+    }
+    // dU += -W dk~^T (strict lower), lanes over rows r: dk~[j][.] is a broadcast.
+    for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
+      const int r = idx % kChunk, j = idx / kChunk;
+      if (j >= r) continue;
+      float s = 0.f;
+      for (int a = 0; a < K; ++a) s = fmaf(Wf[r * LK + a], dKt(j, a), s);
+      dUs[r * LC + j] -= s;
+    }
+    __syncthreads();
+    owned_acc<K>(dWa, [&](int r, int a) {
+      float u = 0.f;
+      for (int j = 0; j < r; ++j) u = fmaf(Us[r * LC + j], dKt(j, a), u);
+      return -T1[a * LC + r] - u;
+    });
+    owned_acc<K>(dKa, [&](int r, int d) { return dKt(r, d); });
+  }
 
   // ---- per query head: dq, and the X / A_loc terms.
   T* dqp = static_cast<T*>(p.dq);
@@ -195,14 +200,17 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     Us[r * LC + s] = v;
   }
   __syncthreads();
-  // dZb = E^T dU in place (column c by one thread; row t reads rows >= t only).
-  if (tid < kChunk) {
-    const int c = tid;
+  // dZb = E^T dU in place: column c by 4 lanes, rows top-down (row t reads rows >= t only).
+  {
+    const int c = tid >> 2, part = tid & 3;
     for (int t = 0; t < kChunk; ++t) {
       float v = 0.f;
       if (t > c)
-        for (int r = t; r < kChunk; ++r) v = fmaf(Es[r * LC + t], dUs[r * LC + c], v);
-      dUs[t * LC + c] = v;
+        for (int r = t + part; r < kChunk; r += 4) v = fmaf(Es[r * LC + t], dUs[r * LC + c], v);
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (part == 0) dUs[t * LC + c] = t > c ? v : 0.f;
+      __syncwarp();
     }
   }
   __syncthreads();

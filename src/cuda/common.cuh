@@ -235,4 +235,24 @@ __device__ __forceinline__ void block_mm(int M, int N, FA a, FB b, FK krange, FO
   }
 }
 
+// Column-wise triangular solves for the 64 x 64 chunk matrices, 4 lanes per column (blockDim.x == 256):
+// the 4 lanes split each dot product and reduce with shuffles, so the serial chain is 4x shorter than one
+// thread per column. Every lane runs the same trip count (shuffles need the whole warp).
+//   unit_lower_inverse: E = (I + A)^-1 for A strictly lower (ld lda), E written with ld lde.
+__device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, float* E, int lde) {
+  const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
+  for (int r = part; r < 64; r += 4)
+    if (r <= c) E[r * lde + c] = r == c ? 1.f : 0.f;
+  __syncwarp();
+  for (int r = 1; r < 64; ++r) {
+    float s = 0.f;
+    if (r > c)
+      for (int t = c + part; t < r; t += 4) s = fmaf(A[r * lda + t], E[t * lde + c], s);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (r > c && part == 0) E[r * lde + c] = -s;
+    __syncwarp();
+  }
+}
+
 }  // namespace pathattn::cuda

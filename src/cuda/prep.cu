@@ -53,17 +53,8 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
            [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
            [&](int r, int c, float s) { R1[r * LC + c] = bs[r] * s; });
   __syncthreads();
-  // E = (I + A)^-1 -> R2, one column per thread (forward substitution down the column).
-  if (tid < kChunk) {
-    const int c = tid;
-    for (int r = 0; r < c; ++r) R2[r * LC + c] = 0.f;
-    R2[c * LC + c] = 1.f;
-    for (int r = c + 1; r < kChunk; ++r) {
-      float s = 0.f;
-      for (int t = c; t < r; ++t) s = fmaf(R1[r * LC + t], R2[t * LC + c], s);
-      R2[r * LC + c] = -s;
-    }
-  }
+  // E = (I + A)^-1 -> R2.
+  unit_lower_inverse(R1, LC, R2, LC);
   __syncthreads();
   // W2 = E diag(b) W; Z = strict_lower(W K^T) -> R1.
   block_mm(kChunk, K, [&](int r, int s) { return R2[r * LC + s] * bs[s]; }, [&](int s, int d) { return Wf[s * LK + d]; },
@@ -73,13 +64,18 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
            [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
            [&](int r, int c, float s) { R1[r * LC + c] = s; });
   __syncthreads();
-  // U = E diag(b) Z in place (column c by one thread, rows bottom-up: row r reads Z rows <= r only).
-  if (tid < kChunk) {
-    const int c = tid;
-    for (int r = kChunk - 1; r >= 0; --r) {
+  // U = E diag(b) Z in place: column c by 4 lanes, rows bottom-up (row r reads Z rows <= r only; the lanes
+  // have consumed their loads before the shuffles, so lane 0 may overwrite row r afterwards).
+  {
+    const int c = tid >> 2, part = tid & 3;
+    for (int r = kChunk - 1; r >= 1; --r) {
       float s = 0.f;
-      for (int t = c + 1; t <= r; ++t) s = fmaf(R2[r * LC + t] * bs[t], R1[t * LC + c], s);
-      R1[r * LC + c] = s;
+      if (r > c)
+        for (int t = c + 1 + part; t <= r; t += 4) s = fmaf(R2[r * LC + t] * bs[t], R1[t * LC + c], s);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (r > c && part == 0) R1[r * LC + c] = s;
+      __syncwarp();
     }
   }
   __syncthreads();
