@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
         for (int r = t + part; r < kChunk; r += 4) v = fmaf(Es[r * LC + t], dUs[r * LC + c], v);
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
+      __syncwarp();  // every lane has read row t of column c before lane 0 overwrites it
       if (part == 0) dUs[t * LC + c] = t > c ? v : 0.f;
       __syncwarp();
     }

@@ -64,8 +64,7 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
            [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
            [&](int r, int c, float s) { R1[r * LC + c] = s; });
   __syncthreads();
-  // U = E diag(b) Z in place: column c by 4 lanes, rows bottom-up (row r reads Z rows <= r only; the lanes
-  // have consumed their loads before the shuffles, so lane 0 may overwrite row r afterwards).
+  // U = E diag(b) Z in place: column c by 4 lanes, rows bottom-up (row r reads Z rows <= r only).
   {
     const int c = tid >> 2, part = tid & 3;
     for (int r = kChunk - 1; r >= 1; --r) {
@@ -74,6 +73,7 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
         for (int t = c + 1 + part; t <= r; t += 4) s = fmaf(R2[r * LC + t] * bs[t], R1[t * LC + c], s);
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
+      __syncwarp();  // every lane has read row r of column c before lane 0 overwrites it
       if (r > c && part == 0) R1[r * LC + c] = s;
       __syncwarp();
     }
