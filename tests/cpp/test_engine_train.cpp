@@ -241,6 +241,31 @@ TEST(EngineTasks, A5GroupAndLabels) {
   }
 }
 
+TEST(EngineTasks, A5TestSetsScoreEveryPositionAndTheFinalProduct) {
+  A5Group g;
+  TaskConfig tc;
+  tc.name = "a5";
+  tc.seq_len = 7;
+  tc.eval_sequences = 5;
+  auto t = make_task(tc);
+  const auto sets = t->eval_sets();
+  ASSERT_EQ(sets.size(), 2u);
+  EXPECT_EQ(sets[0].name, "test");
+  EXPECT_EQ(sets[1].name, "last");
+  Batch all, last;
+  t->eval_batch(0, 0, 5, &all);
+  t->eval_batch(1, 0, 5, &last);
+  EXPECT_EQ(all.tokens, last.tokens);  // the same words
+  for (int64_t s = 0; s < 5; ++s) {
+    int p = 0;
+    for (int64_t i = 0; i < 7; ++i) {
+      p = g.mul[p * 60 + all.tokens[s * 7 + i]];
+      ASSERT_EQ(all.targets[s * 7 + i], p);
+      ASSERT_EQ(last.targets[s * 7 + i], i == 6 ? p : -1);
+    }
+  }
+}
+
 TEST(EngineTasks, MqrarAnswersAreNthMostRecent) {
   TaskConfig tc;
   tc.name = "mqrar";
