@@ -21,6 +21,22 @@ int default_chunk_size(int64_t K);
 // The number of threads a call with `num_threads` uses (0 = the OpenMP default).
 int resolve_threads(int num_threads);
 
+// Keeps every BLAS call of the current thread single-threaded while it lives (our own threads parallelise
+// over work units; a block product of a few hundred KFLOP must not open an OpenMP team of its own, which
+// costs far more than the product, ruinously so on a loaded machine). The OpenMP build of OpenBLAS sizes
+// its team from the calling thread's nthreads ICV, which this sets to 1 and restores; ICVs are per thread,
+// so concurrent calls from other user threads are unaffected. Resolve the thread count before creating it.
+class SerialBlas {
+ public:
+  SerialBlas();
+  ~SerialBlas();
+  SerialBlas(const SerialBlas&) = delete;
+  SerialBlas& operator=(const SerialBlas&) = delete;
+
+ private:
+  int saved_ = 1;
+};
+
 // Runs fn(i) for i in [0, n) on `num_threads` OpenMP threads (0 = default) with dynamic scheduling (units write disjoint outputs, so the result never depends on the schedule).
 void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn);
 

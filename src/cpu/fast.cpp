@@ -191,7 +191,7 @@ class FastPath {
  public:
   FastPath(const Problem& pr, int chunk_size, int num_threads)
       : pr_(pr), K_(pr.K), V_(pr.V), C_(chunk_size > 0 ? chunk_size : default_chunk_size(pr.K)),
-        nt_(num_threads) {}
+        nt_(resolve_threads(num_threads)) {}
 
   Status forward(const PathFwdParams& p);
   Status backward(const PathBwdParams& p);
@@ -355,7 +355,7 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
 template <typename T, bool kPath>
 Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
   const int64_t H = pr_.H, nkv = int64_t(pr_.seqs.size()) * H;
-  const int64_t wave = std::min<int64_t>(nkv, 2 * resolve_threads(nt_));
+  const int64_t wave = std::min<int64_t>(nkv, 2 * int64_t(nt_));
   std::vector<KvState<T>> states(wave);
   struct Unit { int64_t kv, slot, hq, qc; };
   std::vector<Unit> units;
@@ -556,7 +556,7 @@ Status FastPath<T, kPath>::backward(const PathBwdParams& p) {
   int64_t max_nc = 0;
   for (const Seq& sq : pr_.seqs) max_nc = std::max(max_nc, (sq.len + C - 1) / C);
   const int64_t nslice = std::max<int64_t>(1, std::min<int64_t>(max_nc, (16 + nkv - 1) / nkv));
-  const int64_t wave = std::min<int64_t>(nkv, std::max<int64_t>(1, 2 * resolve_threads(nt_) / nslice));
+  const int64_t wave = std::min<int64_t>(nkv, std::max<int64_t>(1, 2 * int64_t(nt_) / nslice));
   std::vector<KvState<T>> states(wave);
   std::vector<Grads> grads(wave * nslice);
   for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
@@ -628,14 +628,18 @@ Status FastPath<T, kPath>::backward(const PathBwdParams& p) {
 
 template <typename T>
 Status run_fwd(const PathFwdParams& p, const Problem& pr) {
-  if (pr.path) return FastPath<T, true>(pr, p.chunk_size, p.num_threads).forward(p);
-  return FastPath<T, false>(pr, p.chunk_size, p.num_threads).forward(p);
+  const int nt = resolve_threads(p.num_threads);  // before SerialBlas sets this thread's default to 1
+  SerialBlas serial;
+  if (pr.path) return FastPath<T, true>(pr, p.chunk_size, nt).forward(p);
+  return FastPath<T, false>(pr, p.chunk_size, nt).forward(p);
 }
 
 template <typename T>
 Status run_bwd(const PathBwdParams& p, const Problem& pr) {
-  if (pr.path) return FastPath<T, true>(pr, p.chunk_size, p.num_threads).backward(p);
-  return FastPath<T, false>(pr, p.chunk_size, p.num_threads).backward(p);
+  const int nt = resolve_threads(p.num_threads);  // before SerialBlas sets this thread's default to 1
+  SerialBlas serial;
+  if (pr.path) return FastPath<T, true>(pr, p.chunk_size, nt).backward(p);
+  return FastPath<T, false>(pr, p.chunk_size, nt).backward(p);
 }
 
 }  // namespace

@@ -17,6 +17,19 @@ int resolve_threads(int num_threads) {
 #endif
 }
 
+SerialBlas::SerialBlas() {
+#ifdef _OPENMP
+  saved_ = omp_get_max_threads();
+  omp_set_num_threads(1);
+#endif
+}
+
+SerialBlas::~SerialBlas() {
+#ifdef _OPENMP
+  omp_set_num_threads(saved_);
+#endif
+}
+
 void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn) {
 #ifdef _OPENMP
   const int nt = resolve_threads(num_threads);
