@@ -124,7 +124,7 @@ double row_grad(double* s, double* dp, int64_t m, int64_t keep, double lse, doub
 // not with |G|, which grows linearly along the sequence.
 template <typename T>
 void add_gate(const double* G, int64_t r0, int64_t n, int64_t k0, int64_t m, double gs, T* S, int64_t ld) {
-  T gq[1024], gk[1024];  // n, m <= chunk size <= 1024
+  T gq[1024], gk[1024];  // n <= chunk size <= 1024; m <= max(chunk size, kSuperblock) <= 1024
   for (int64_t r = 0; r < n; ++r) gq[r] = T(gs * (G[r0 + r] - G[r0]));
   for (int64_t j = 0; j < m; ++j) gk[j] = T(gs * (G[k0 + j] - G[r0]));
   for (int64_t r = 0; r < n; ++r)
@@ -182,16 +182,25 @@ struct KvState {
   int64_t L = 0, nc = 0;
   std::vector<T> k, v, w, beta;       // [L, K], [L, V], [L, K], [L]
   std::vector<T> E, U, P, W2, kt;     // [nc, C, C], [nc, C, C], [nc, K, K], [L, K], [L, K]
+  std::vector<T> ks, PS;              // forward only: keys moved to their superblock's end [L, K], and the
+                                      // superblock products P_last ... P_first [nsb, K, K] (full superblocks)
   std::vector<std::vector<double>> G; // per query head of the group: inclusive gate cumsum [L], fp64 (|G|
                                       // grows with t; see add_gate) (empty: no gate)
 };
+
+// The forward scans keys beyond the query's own superblock of kSuperblock tokens one superblock at a time:
+// keys pre-moved to their superblock's end, one dense K x K transport per superblock (ALGORITHMS.md
+// section 4, two-level transport) and one wide block product (C x 512) per superblock instead of eight
+// C x 64 ones. Within the query's superblock the chunk-level scan runs as before. The backward keeps the
+// chunk-level scheme throughout.
+constexpr int64_t kSuperblock = 512;
 
 template <typename T, bool kPath>
 class FastPath {
  public:
   FastPath(const Problem& pr, int chunk_size, int num_threads)
       : pr_(pr), K_(pr.K), V_(pr.V), C_(chunk_size > 0 ? chunk_size : default_chunk_size(pr.K)),
-        nt_(resolve_threads(num_threads)) {}
+        nt_(resolve_threads(num_threads)), m_(std::max<int64_t>(1, kSuperblock / C_)) {}
 
   Status forward(const PathFwdParams& p);
   Status backward(const PathBwdParams& p);
@@ -200,7 +209,7 @@ class FastPath {
   int64_t chunk_len(const KvState<T>& s, int64_t c) const { return std::min(C_, s.L - c * C_); }
 
   void prepare(const TensorView& k, const TensorView& v, const TensorView& w, const TensorView& beta,
-               const TensorView& g, const Seq& sq, int64_t h, KvState<T>* s) const;
+               const TensorView& g, const Seq& sq, int64_t h, bool superblocks, KvState<T>* s) const;
   void forward_chunk(const PathFwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s, int64_t qc) const;
 
   // Backward accumulators of one work unit (one slice of the query chunks of one (sequence, kv head)).
@@ -218,6 +227,7 @@ class FastPath {
   const Problem& pr_;
   const int64_t K_, V_, C_;
   const int nt_;
+  const int64_t m_;  // chunks per superblock of the forward's far-key scan
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -225,7 +235,7 @@ class FastPath {
 template <typename T, bool kPath>
 void FastPath<T, kPath>::prepare(const TensorView& k, const TensorView& v, const TensorView& w,
                                  const TensorView& beta, const TensorView& g, const Seq& sq, int64_t h,
-                                 KvState<T>* s) const {
+                                 bool superblocks, KvState<T>* s) const {
   const int64_t L = sq.len, K = K_, C = C_;
   s->L = L;
   s->nc = (L + C - 1) / C;
@@ -281,6 +291,23 @@ void FastPath<T, kPath>::prepare(const TensorView& k, const TensorView& v, const
     std::copy(Kc, Kc + cl * K, &s->kt[r0 * K]);
     gemm(true, false, cl, K, cl, T(-1), U, C, W, K, T(1), &s->kt[r0 * K], K);
   }
+  if (!superblocks) return;
+  // Full superblocks sb (m_ complete chunks): ks_kc = kt_kc M_kc^T with M_kc = P_last ... P_{kc+1}, walked
+  // from the superblock's last chunk down; PS_sb = P_last ... P_first.
+  const int64_t nsb = (L / C) / m_;
+  s->ks.resize(nsb * m_ * C * K);
+  s->PS.resize(nsb * K * K);
+  std::vector<T> M(K * K), M2(K * K);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    fill_zero(M.data(), K * K);
+    for (int64_t e = 0; e < K; ++e) M[e * K + e] = T(1);
+    for (int64_t kc = (sb + 1) * m_ - 1; kc >= sb * m_; --kc) {
+      gemm(false, true, C, K, K, T(1), &s->kt[kc * C * K], K, M.data(), K, T(0), &s->ks[kc * C * K], K);
+      gemm(false, false, K, K, K, T(1), M.data(), K, &s->P[kc * K * K], K, T(0), M2.data(), K);
+      std::swap(M, M2);
+    }
+    std::copy(M.begin(), M.end(), &s->PS[sb * K * K]);
+  }
 }
 
 template <typename T, bool kPath>
@@ -329,8 +356,10 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
   for (int64_t r = 0; r < cl; ++r)
     for (int64_t j = r + 1; j < cl; ++j) S[r * cl + j] = -std::numeric_limits<T>::infinity();
   softmax_update(S.data(), cl, cl, mx.data(), l.data(), acc.data(), &s.v[r0 * V]);
+  // Key chunks of the query's own superblock, right to left, with chunk-level transport.
   const T* keys = kPath ? s.kt.data() : s.k.data();
-  for (int64_t kc = qc - 1; kc >= 0; --kc) {
+  const int64_t sbq = qc / m_, first = sbq * m_;
+  for (int64_t kc = qc - 1; kc >= first; --kc) {
     if (kPath && kc < qc - 1) {  // move the query tile across chunk kc + 1: qt <- qt P_{kc+1}
       gemm(false, false, cl, K, K, T(1), qt.data(), K, &s.P[(kc + 1) * K * K], K, T(0), tmp.data(), K);
       std::swap(qt, tmp);
@@ -339,6 +368,26 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
     gemm(false, true, cl, C, K, scale, qt.data(), K, &keys[k0 * K], K, T(0), S.data(), C);
     if (Gq) add_gate(Gq, r0, cl, k0, C, pr_.gate_scale, S.data(), C);
     softmax_update(S.data(), cl, C, mx.data(), l.data(), acc.data(), &s.v[k0 * V]);
+  }
+  if (sbq > 0) {
+    // Earlier superblocks, right to left: qt moved to the end of superblock sb meets keys moved there.
+    const int64_t W = m_ * C;
+    const T* skeys = kPath ? s.ks.data() : s.k.data();
+    if (kPath && qc > first) {  // from the end of chunk `first` to the end of superblock sbq - 1
+      gemm(false, false, cl, K, K, T(1), qt.data(), K, &s.P[first * K * K], K, T(0), tmp.data(), K);
+      std::swap(qt, tmp);
+    }
+    S.resize(cl * W);
+    for (int64_t sb = sbq - 1; sb >= 0; --sb) {
+      if (kPath && sb < sbq - 1) {  // across superblock sb + 1
+        gemm(false, false, cl, K, K, T(1), qt.data(), K, &s.PS[(sb + 1) * K * K], K, T(0), tmp.data(), K);
+        std::swap(qt, tmp);
+      }
+      const int64_t k0 = sb * W;
+      gemm(false, true, cl, W, K, scale, qt.data(), K, &skeys[k0 * K], K, T(0), S.data(), W);
+      if (Gq) add_gate(Gq, r0, cl, k0, W, pr_.gate_scale, S.data(), W);
+      softmax_update(S.data(), cl, W, mx.data(), l.data(), acc.data(), &s.v[k0 * V]);
+    }
   }
   std::vector<T> lse(cl);
   for (int64_t r = 0; r < cl; ++r) {
@@ -362,7 +411,8 @@ Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
   for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
     const int64_t nw = std::min(wave, nkv - w0);
     parallel_for(nw, nt_, [&](int64_t i) {
-      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, &states[i]);
+      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, /*superblocks=*/true,
+              &states[i]);
     });
     // Work units (kv unit, query head, query chunk), costliest (latest chunks) first for load balance.
     units.clear();
@@ -562,7 +612,8 @@ Status FastPath<T, kPath>::backward(const PathBwdParams& p) {
   for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
     const int64_t nw = std::min(wave, nkv - w0);
     parallel_for(nw, nt_, [&](int64_t i) {
-      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, &states[i]);
+      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, /*superblocks=*/false,
+              &states[i]);
     });
     parallel_for(nw * nslice, nt_, [&](int64_t u) {
       const int64_t i = u / nslice, sl = u % nslice, kv = w0 + i;

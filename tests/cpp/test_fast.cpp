@@ -128,6 +128,15 @@ TEST(FastPath, LongF32) {
   check_against_oracle(mk(2048, 2, 1, 128, 64, true, false, DType::f32, 8, BetaMode::two));
 }
 
+// The forward's two-level scan (superblocks of 512 tokens: several superblock transports, a partial last
+// superblock, varlen, GQA, gate, K != V) in fp64, for two chunk sizes.
+TEST(FastPath, SuperblockScanF64) {
+  for (int chunk : {64, 128})
+    check_against_oracle(mk(0, 4, 2, 32, 16, true, true, DType::f64, 81, BetaMode::uniform02, {1700, 3, 530}),
+                         chunk);
+  check_against_oracle(mk(1100, 2, 1, 16, 24, true, false, DType::f64, 82, BetaMode::two), 64);
+}
+
 // Chunk-size invariance (fp64): every chunk size gives the oracle's answer, so they agree with each other.
 TEST(FastPath, ChunkSizeInvariance) {
   for (int chunk : {8, 16, 24, 64, 128, 256})
