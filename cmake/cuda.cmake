@@ -20,6 +20,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/bwd_q.cu
   src/cuda/bwd_k.cu
   src/cuda/bwd_chunk.cu
+  src/cuda/decode.cu
 )
 add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
 set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)

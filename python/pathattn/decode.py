@@ -3,7 +3,8 @@
 ``prefill`` runs the forward over prompts and returns a ``PathCache`` of keys transported to each prompt's
 end; ``decode_step`` appends one token per sequence, updating the cached keys in place with the rank-one
 Householder step, and returns its output. The cache is kept in float32 (float64 for float64 inputs), not
-in the model's dtype, so long generations do not drift. Decoding is inference only: nothing here is
+in the model's dtype, so long generations do not drift. For CUDA tensors the cache lives on their device
+(kc, vc float32, gc float64) and the cuda backend fills and updates it there; lengths stay a host array. Decoding is inference only: nothing here is
 differentiable.
 """
 import numpy as np
@@ -66,7 +67,8 @@ def _host_lengths(cu):
 
 
 def _cache_arrays(q, k, v, g, num_seqs, capacity):
-    """Allocates kc [N,H,C,K], vc [N,H,C,V], gc [N,HQ,C] float64 (or None), lengths [N] (host int64)."""
+    """Allocates kc [N,H,C,K], vc [N,H,C,V], gc [N,HQ,C] float64 (or None) on q's device (the GPU for CUDA
+    tensors), and lengths [N] (host int64 always: the C++ side reads and updates it on the host)."""
     H, K, V, HQ = k.shape[2], k.shape[3], v.shape[3], q.shape[2]
     fdt = _float_dtype(q)
     kc = _zeros(q, (num_seqs, H, capacity, K), fdt)

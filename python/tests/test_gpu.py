@@ -111,12 +111,31 @@ def test_zero_copy_cuda():
 
 
 def test_decode_on_cuda_equals_forward():
-    x = gpu_inputs(B=2, T=200, HQ=4, H=1, K=64, V=64, dtype=torch.float32)
+    """Prefill 150 tokens on the GPU, then decode 50 more one at a time (the cache grows once on the way):
+    every output against one fp64 oracle forward over all 200 tokens, and the device cache against the same
+    calls on the CPU backend. bf16 inputs: the cuda backend takes bfloat16 / float16 q, k, v."""
+    x = gpu_inputs(B=2, T=200, HQ=4, H=1, K=64, V=64)
     names = ("q", "k", "v", "w", "beta", "g")
-    full, _ = pathattn.parallel_path_attn(*(x[n] for n in names))
-    o_pre, cache = pathattn.prefill(*(x[n][:, :150] for n in names))
+    xc = {n: t.double().cpu() for n, t in x.items()}
+    full, _ = pathattn.parallel_path_attn(*(xc[n] for n in names), backend="oracle")
+    o_pre, cache = pathattn.prefill(*(x[n][:, :150] for n in names), capacity=160)
+    assert cache.kc.device.type == "cuda" and cache.kc.dtype == torch.float32
+    assert cache.vc.device.type == "cuda" and cache.vc.dtype == torch.float32
+    assert cache.gc.device.type == "cuda" and cache.gc.dtype == torch.float64
     outs = [pathattn.decode_step(cache, *(x[n][:, t:t + 1] for n in names)) for t in range(150, 200)]
-    assert rl2(torch.cat([o_pre] + outs, 1), full) < 1e-4
+    assert cache.lengths.tolist() == [200, 200] and cache.capacity >= 200
+    assert outs[0].device.type == "cuda" and outs[0].dtype == torch.bfloat16
+    e = rl2(torch.cat([o_pre] + outs, 1), full)
+
+    xh = {n: t.cpu() for n, t in x.items()}
+    _, cache_c = pathattn.prefill(*(xh[n][:, :150] for n in names), backend="cpu")
+    outs_c = [pathattn.decode_step(cache_c, *(xh[n][:, t:t + 1] for n in names)) for t in range(150, 200)]
+    ek = rl2(cache.kc[:, :, :200], cache_c.kc[:, :, :200])
+    eg = rl2(cache.gc[:, :, :200], cache_c.gc[:, :, :200])
+    eo = rl2(torch.cat(outs, 1), torch.cat(outs_c, 1))
+    print(f"[decode cuda] o vs oracle {e:.2e}; vs cpu decode: o {eo:.2e}, kc {ek:.2e}, gc {eg:.2e}")
+    assert e <= 4e-3
+    assert eo <= 4e-3 and ek <= 1e-5 and eg <= 1e-12
 
 
 def test_fla_layer_state_dict_loads_and_matches():

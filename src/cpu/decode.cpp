@@ -10,6 +10,9 @@
 #include "core/convert.h"
 #include "core/problem.h"
 #include "cpu/cpu_backend.h"
+#ifdef PATHATTN_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace pathattn {
 namespace cpu {
@@ -319,8 +322,8 @@ void decode_unit(const PathDecodeParams& p, const Problem& pr, int64_t n, int64_
 }  // namespace
 }  // namespace cpu
 
-// Prefill: validate the forward and the cache, run the forward on its backend, then build the cache on the
-// host, one work unit per (sequence, kv head).
+// Prefill: validate the forward and the cache, run the forward on its backend, then build the cache, one
+// work unit per (sequence, kv head): on the host, or on the device for the cuda backend (cuda/decode.cu).
 Status path_attn_prefill(const PathPrefillParams& p) {
   core::Problem pr;
   PA_TRY(core::check_fwd(p.fwd, &pr));
@@ -334,15 +337,20 @@ Status path_attn_prefill(const PathPrefillParams& p) {
     }
   }
   if (pr.backend == Backend::cuda) {
-    return Status(Status::Code::unsupported, "backend: prefill fills a host cache; the cuda backend has no prefill yet");
+#ifdef PATHATTN_WITH_CUDA
+    PA_TRY(cuda::prefill(p, pr, seqs));  // the forward and the device cache; lengths are set below
+#else
+    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
+#endif
+  } else {
+    PA_TRY(path_attn_fwd(p.fwd));
+    const int64_t nunits = int64_t(seqs.size()) * pr.H;
+    cpu::parallel_for(nunits, p.fwd.num_threads, [&](int64_t u) {
+      const int64_t n = u / pr.H, h = u % pr.H;
+      if (pr.f64) cpu::prefill_unit<double>(p, pr, seqs[n], n, h);
+      else cpu::prefill_unit<float>(p, pr, seqs[n], n, h);
+    });
   }
-  PA_TRY(path_attn_fwd(p.fwd));
-  const int64_t nunits = int64_t(seqs.size()) * pr.H;
-  cpu::parallel_for(nunits, p.fwd.num_threads, [&](int64_t u) {
-    const int64_t n = u / pr.H, h = u % pr.H;
-    if (pr.f64) cpu::prefill_unit<double>(p, pr, seqs[n], n, h);
-    else cpu::prefill_unit<float>(p, pr, seqs[n], n, h);
-  });
   int64_t* len = static_cast<int64_t*>(p.cache.lengths.data);
   for (size_t n = 0; n < seqs.size(); ++n) len[int64_t(n) * p.cache.lengths.stride[0]] = seqs[n].len;
   return Status::Ok();
@@ -371,18 +379,23 @@ Status path_attn_decode(const PathDecodeParams& p) {
     return cpu::bad("q: expected shape [N, 1, HQ, K] (one token per sequence), got " + core::shape_str(p.q));
   }
   PA_TRY(core::check_cache(p.cache, pr, pr.B, /*need_room=*/true));
-  if (pr.backend == Backend::cuda) {
-    return Status(Status::Code::unsupported, "backend: decode runs on host caches; the cuda backend has no decode yet");
-  }
   const int64_t N = pr.B;
   std::vector<int64_t> len(N);  // read once: every kv head of a slot sees the length before this step
   int64_t* lp = static_cast<int64_t*>(p.cache.lengths.data);
   for (int64_t n = 0; n < N; ++n) len[n] = lp[n * p.cache.lengths.stride[0]];
-  cpu::parallel_for(N * pr.H, p.num_threads, [&](int64_t u) {
-    const int64_t n = u / pr.H, h = u % pr.H;
-    if (pr.f64) cpu::decode_unit<double>(p, pr, n, h, len[n]);
-    else cpu::decode_unit<float>(p, pr, n, h, len[n]);
-  });
+  if (pr.backend == Backend::cuda) {
+#ifdef PATHATTN_WITH_CUDA
+    PA_TRY(cuda::decode(p, pr, len));  // lengths stay in host memory: updated below
+#else
+    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
+#endif
+  } else {
+    cpu::parallel_for(N * pr.H, p.num_threads, [&](int64_t u) {
+      const int64_t n = u / pr.H, h = u % pr.H;
+      if (pr.f64) cpu::decode_unit<double>(p, pr, n, h, len[n]);
+      else cpu::decode_unit<float>(p, pr, n, h, len[n]);
+    });
+  }
   for (int64_t n = 0; n < N; ++n) lp[n * p.cache.lengths.stride[0]] = len[n] + 1;
   return Status::Ok();
 }

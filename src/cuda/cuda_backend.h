@@ -10,6 +10,14 @@ namespace pathattn::cuda {
 Status fwd(const PathFwdParams& p, const core::Problem& pr);
 Status bwd(const PathBwdParams& p, const core::Problem& pr);
 
+// Prefill and decode on a device cache (decode.cu), called by the entry points in cpu/decode.cpp after
+// their validation. Same dtypes and head dims as the forward.
+// prefill: runs the forward, then fills cache slot n from slots[n] (every sequence, empty ones included,
+//   in slot order) for n < slots.size(); the caller sets lengths.
+// decode: lengths[n] is slot n's length before the step (host copy); the caller increments lengths.
+Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots);
+Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
+
 // The head dims this build compiles, for messages and build_info(): "{64, 128}".
 const char* supported_head_dims();
 

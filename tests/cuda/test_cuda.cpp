@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -423,6 +424,396 @@ TEST(CudaBackend, LongSequenceSampledRows) {
   std::printf("[long] T = 65536: sampled rows o rel L2 %.2e, lse max rel %.2e\n", e, lmax);
   EXPECT_LE(e, 4e-3);
   EXPECT_LE(lmax, 1e-3);
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Prefill and decode on a device cache (SPEC.md section 6): the cache against the CPU prefill on the same
+// inputs, prefill + 200 decode steps against one fp64 oracle forward over all tokens, varlen slots with an
+// empty sequence against the CPU prefill + decode, and bad input.
+
+// A decode cache: kc [N, H, C, K], vc [N, H, C, V] fp32, gc [N, HQ, C] fp64 (with a gate), lengths [N]
+// int64 in host memory. On the device (dev = true: the float tensors are poisoned device copies, the host
+// tensors their mirrors for to_host) or on the host (poisoned host tensors).
+struct TestCache {
+  HostTensor kc, vc, gc, lengths;
+  DevTensor dkc, dvc, dgc;
+  bool dev = false;
+  TestCache(int64_t N, int64_t H, int64_t HQ, int64_t C, int64_t K, int64_t V, bool gate, bool on_device)
+      : dev(on_device) {
+    kc = HostTensor(DType::f32, {N, H, C, K});
+    vc = HostTensor(DType::f32, {N, H, C, V});
+    if (gate) gc = HostTensor(DType::f64, {N, HQ, C});
+    lengths = HostTensor(DType::i64, {N});
+    kc.poison();
+    vc.poison();
+    if (gate) gc.poison();
+    for (int64_t n = 0; n < N; ++n) static_cast<int64_t*>(lengths.mutable_view().data)[n] = 0;
+    if (dev) {
+      dkc = DevTensor(kc, false);
+      dvc = DevTensor(vc, false);
+      if (gate) dgc = DevTensor(gc, false);
+    }
+  }
+  DecodeCache view() const {
+    DecodeCache d;
+    d.kc = dev ? dkc.view : kc.view();
+    d.vc = dev ? dvc.view : vc.view();
+    if (gc.present()) d.gc = dev ? dgc.view : gc.view();
+    d.lengths = lengths.view();
+    return d;
+  }
+  void to_host() {  // device cache -> the host mirrors
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dkc.to_host(kc);
+    dvc.to_host(vc);
+    if (gc.present()) dgc.to_host(gc);
+  }
+  int64_t len(int64_t n) const { return static_cast<const int64_t*>(lengths.view().data)[n]; }
+};
+
+// Relative L2 error over the cached rows (j < lengths[n]) of two caches [N, heads, C, D] or [N, heads, C].
+double cache_err(const HostTensor& got, const HostTensor& ref, const TestCache& lens) {
+  const TensorView v = ref.view();
+  const int64_t N = v.shape[0], Hx = v.shape[1], C = v.shape[2], D = v.ndim == 4 ? v.shape[3] : 1;
+  std::vector<double> a, b;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < Hx; ++h)
+      for (int64_t j = 0; j < lens.len(n); ++j)
+        for (int64_t e = 0; e < D; ++e) {
+          const int64_t i = ((n * Hx + h) * C + j) * D + e;
+          a.push_back(got.get(i));
+          b.push_back(ref.get(i));
+        }
+  if (a.empty()) return 0.0;
+  if (!all_finite(a)) return std::numeric_limits<double>::infinity();
+  return rel_l2(a, b);
+}
+
+// A view of positions [t0, t0 + len) along dimension 1 (keeps the strides).
+TensorView slice_t(const TensorView& x, int64_t t0, int64_t len) {
+  TensorView s = x;
+  if (!x.present()) return s;
+  s.data = static_cast<char*>(x.data) + t0 * x.stride[1] * dtype_size(x.dtype);
+  s.shape[1] = len;
+  return s;
+}
+
+int64_t num_slots(const Case& c) { return c.spec.seqlens.empty() ? c.spec.B : int64_t(c.spec.seqlens.size()); }
+int64_t longest(const Case& c) {
+  if (c.spec.seqlens.empty()) return c.spec.T;
+  return *std::max_element(c.spec.seqlens.begin(), c.spec.seqlens.end());
+}
+
+// Prefill of `c` on the GPU and on the CPU (Backend::cpu, host copies of the same inputs): the device cache
+// must hold the CPU's keys to fp32 rounding, the same values and gate cumsums, the same lengths.
+void check_prefill(const CaseSpec& spec) {
+  Case c = Case::make(spec);
+  const CaseSpec& s = c.spec;
+  const int64_t N = num_slots(c), C = longest(c) + 3;
+  // GPU.
+  GpuCase gc(c);
+  HostTensor go(s.dtype, {s.B, s.T, s.HQ, s.V}), glse(DType::f32, {s.B, s.T, s.HQ});
+  DevTensor dgo(go, false), dglse(glse, false);
+  TestCache gcache(N, s.H, s.HQ, C, s.K, s.V, s.gate, true);
+  PathPrefillParams p;
+  p.fwd = gc.fwd_params(dgo, dglse);
+  p.cache = gcache.view();
+  Status st = path_attn_prefill(p);
+  ASSERT_TRUE(st.ok()) << st.message();
+  gcache.to_host();
+  dgo.to_host(go);
+  dglse.to_host(glse);
+  // CPU.
+  HostTensor co(s.dtype, {s.B, s.T, s.HQ, s.V}), clse(DType::f32, {s.B, s.T, s.HQ});
+  TestCache ccache(N, s.H, s.HQ, C, s.K, s.V, s.gate, false);
+  PathPrefillParams pc;
+  pc.fwd = c.fwd_params(co, &clse);
+  pc.fwd.backend = Backend::cpu;
+  pc.cache = ccache.view();
+  st = path_attn_prefill(pc);
+  ASSERT_TRUE(st.ok()) << st.message();
+
+  for (int64_t n = 0; n < N; ++n) EXPECT_EQ(gcache.len(n), ccache.len(n)) << "slot " << n << " " << s.name();
+  const double ek = cache_err(gcache.kc, ccache.kc, ccache), ev = cache_err(gcache.vc, ccache.vc, ccache);
+  const double eg = s.gate ? cache_err(gcache.gc, ccache.gc, ccache) : 0.0;
+  EXPECT_LE(ek, 1e-6) << "kc " << s.name();
+  EXPECT_EQ(ev, 0.0) << "vc " << s.name();
+  EXPECT_LE(eg, 1e-12) << "gc " << s.name();
+  double eo = 0, el = 0;
+  if (s.T > 0) {
+    eo = err(go, co);
+    el = err(glse, clse);
+    EXPECT_LE(eo, 4e-3) << "o " << s.name();
+    EXPECT_LE(el, 1e-3) << "lse " << s.name();
+  }
+  std::printf("[prefill] %-60s kc %.2e vc %.2e gc %.2e o %.2e lse %.2e\n", s.name().c_str(), ek, ev, eg, eo, el);
+}
+
+TEST(CudaDecode, PrefillCacheMatchesCpu) {
+  REQUIRE_GPU();
+  check_prefill(mk(200, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 801));
+  check_prefill(mk(130, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 802));
+  CaseSpec s = mk(77, 8, 1, 128, 64, true, BetaMode::uniform02, DType::bf16, 803);
+  s.path = false;  // plain attention: kc = k
+  check_prefill(s);
+}
+
+TEST(CudaDecode, PrefillVarlenWithEmptySequence) {
+  REQUIRE_GPU();
+  CaseSpec s = mk(0, 4, 2, 64, 128, true, BetaMode::uniform02, DType::bf16, 804);
+  s.seqlens = {17, 0, 70, 1};
+  check_prefill(s);
+  s = mk(0, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 805);
+  s.seqlens = {0, 65};
+  check_prefill(s);
+}
+
+// Prefill of positions [0, P) of every batch row, then `steps` decode steps for positions P, P + 1, ...;
+// every output against one fp64 oracle forward over all P + steps tokens (bf16 / f16 inputs).
+void check_decode(CaseSpec s, int64_t P, int64_t steps) {
+  s.T = P + steps;
+  Case full = Case::make(s);
+  FwdOut ref = run_fwd(to_f64(full), Backend::oracle);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.message();
+  GpuCase gc(full);
+  const int64_t N = s.B, T = s.T, HQ = s.HQ, V = s.V;
+  TestCache cache(N, s.H, HQ, T, s.K, V, s.gate, true);
+
+  HostTensor po(s.dtype, {N, P, HQ, V}), plse(DType::f32, {N, P, HQ});
+  DevTensor dpo(po, false), dplse(plse, false);
+  PathPrefillParams pp;
+  DevTensor none;
+  pp.fwd = gc.fwd_params(none, none);
+  for (TensorView* x : {&pp.fwd.q, &pp.fwd.k, &pp.fwd.v, &pp.fwd.w, &pp.fwd.beta, &pp.fwd.g}) *x = slice_t(*x, 0, P);
+  pp.fwd.o = vw(dpo);
+  pp.fwd.lse = vw(dplse);
+  pp.cache = cache.view();
+  Status st = path_attn_prefill(pp);
+  ASSERT_TRUE(st.ok()) << st.message();
+  for (int64_t n = 0; n < N; ++n) ASSERT_EQ(cache.len(n), P);
+
+  std::vector<double> got_o, ref_o, got_l, ref_l;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dpo.to_host(po);
+  dplse.to_host(plse);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t t = 0; t < P; ++t)
+      for (int64_t hq = 0; hq < HQ; ++hq) {
+        got_l.push_back(plse.get((n * P + t) * HQ + hq));
+        ref_l.push_back(ref.lse.get((n * T + t) * HQ + hq));
+        for (int64_t e = 0; e < V; ++e) {
+          got_o.push_back(po.get(((n * P + t) * HQ + hq) * V + e));
+          ref_o.push_back(ref.o.get(((n * T + t) * HQ + hq) * V + e));
+        }
+      }
+  const double epo = got_o.empty() ? 0.0 : rel_l2(got_o, ref_o);
+  got_o.clear();
+  ref_o.clear();
+
+  HostTensor so(s.dtype, {N, 1, HQ, V}), slse(DType::f32, {N, 1, HQ});
+  DevTensor dso(so, false), dslse(slse, false);
+  for (int64_t t = 0; t < steps; ++t) {
+    dso.poison();
+    dslse.poison();
+    PathDecodeParams d;
+    d.q = slice_t(vw(gc.q), P + t, 1);
+    d.k = slice_t(vw(gc.k), P + t, 1);
+    d.v = slice_t(vw(gc.v), P + t, 1);
+    d.w = slice_t(vw(gc.w), P + t, 1);
+    d.beta = slice_t(vw(gc.beta), P + t, 1);
+    d.g = slice_t(vw(gc.g), P + t, 1);
+    d.gate_scale = s.gate_scale;
+    d.o = vw(dso);
+    d.lse = vw(dslse);
+    d.cache = cache.view();
+    d.backend = Backend::cuda;
+    st = path_attn_decode(d);
+    ASSERT_TRUE(st.ok()) << "step " << t << ": " << st.message();
+    for (int64_t n = 0; n < N; ++n) ASSERT_EQ(cache.len(n), P + t + 1);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dso.to_host(so);
+    dslse.to_host(slse);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t hq = 0; hq < HQ; ++hq) {
+        got_l.push_back(slse.get(n * HQ + hq));
+        ref_l.push_back(ref.lse.get((n * T + P + t) * HQ + hq));
+        for (int64_t e = 0; e < V; ++e) {
+          got_o.push_back(so.get((n * HQ + hq) * V + e));
+          ref_o.push_back(ref.o.get(((n * T + P + t) * HQ + hq) * V + e));
+        }
+      }
+  }
+  ASSERT_TRUE(all_finite(got_o)) << "decode o has NaN/Inf (unwritten?) " << s.name();
+  ASSERT_TRUE(all_finite(got_l)) << "decode lse has NaN/Inf " << s.name();
+  const double eo = rel_l2(got_o, ref_o), el = rel_l2(got_l, ref_l);
+  EXPECT_LE(epo, 4e-3) << "prefill o " << s.name();
+  EXPECT_LE(eo, 4e-3) << "decode o " << s.name();
+  EXPECT_LE(el, 1e-3) << "lse (prefill and decode) " << s.name();
+  std::printf("[decode] %-60s P %lld + %lld steps: prefill o %.2e, decode o %.2e, lse %.2e\n", s.name().c_str(),
+              (long long)P, (long long)steps, epo, eo, el);
+}
+
+TEST(CudaDecode, DecodeMatchesOracleForward) {
+  REQUIRE_GPU();
+  // GQA group of 8 (two passes of query heads), the cache crossing a 512-row split during the steps.
+  check_decode(mk(0, 8, 1, 128, 128, true, BetaMode::uniform02, DType::bf16, 811), 400, 200);
+  check_decode(mk(0, 4, 2, 64, 64, false, BetaMode::two, DType::f16, 812), 37, 200);
+  CaseSpec s = mk(0, 6, 2, 128, 64, true, BetaMode::near2, DType::bf16, 813);  // group of 3
+  check_decode(s, 1, 200);
+  s = mk(0, 2, 2, 64, 128, true, BetaMode::uniform02, DType::bf16, 814);
+  s.B = 1;
+  s.path = false;  // plain attention with a gate
+  check_decode(s, 5, 200);
+}
+
+// Varlen prefill (an empty sequence among them), then decode steps on slots of different lengths, the empty
+// slot starting from nothing: outputs and caches against the same calls on the CPU backend.
+TEST(CudaDecode, VarlenPrefillThenDecodeMatchesCpu) {
+  REQUIRE_GPU();
+  CaseSpec s = mk(0, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 821);
+  s.seqlens = {17, 0, 530, 3};
+  Case pre = Case::make(s);
+  const int64_t N = 4, steps = 20, C = 530 + steps;
+  CaseSpec ds = mk(steps, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 822);
+  ds.B = N;  // the decode inputs [N, steps, ...]: step t of slot n is row n, position t
+  Case dec = Case::make(ds);
+
+  GpuCase gpre(pre), gdec(dec);
+  TestCache gcache(N, s.H, s.HQ, C, s.K, s.V, true, true), ccache(N, s.H, s.HQ, C, s.K, s.V, true, false);
+  HostTensor po(s.dtype, {1, pre.spec.T, s.HQ, s.V});
+  DevTensor dpo(po, false), none;
+  PathPrefillParams p;
+  p.fwd = gpre.fwd_params(dpo, none);
+  p.cache = gcache.view();
+  Status st = path_attn_prefill(p);
+  ASSERT_TRUE(st.ok()) << st.message();
+  PathPrefillParams pc;
+  HostTensor co(s.dtype, {1, pre.spec.T, s.HQ, s.V});
+  pc.fwd = pre.fwd_params(co, nullptr);
+  pc.fwd.backend = Backend::cpu;
+  pc.cache = ccache.view();
+  st = path_attn_prefill(pc);
+  ASSERT_TRUE(st.ok()) << st.message();
+
+  HostTensor go(s.dtype, {N, 1, s.HQ, s.V}), hco(s.dtype, {N, 1, s.HQ, s.V});
+  DevTensor dgo(go, false);
+  std::vector<double> a, b;
+  for (int64_t t = 0; t < steps; ++t) {
+    dgo.poison();
+    PathDecodeParams d;
+    d.q = slice_t(vw(gdec.q), t, 1);
+    d.k = slice_t(vw(gdec.k), t, 1);
+    d.v = slice_t(vw(gdec.v), t, 1);
+    d.w = slice_t(vw(gdec.w), t, 1);
+    d.beta = slice_t(vw(gdec.beta), t, 1);
+    d.g = slice_t(vw(gdec.g), t, 1);
+    d.o = vw(dgo);
+    d.cache = gcache.view();
+    st = path_attn_decode(d);  // automatic: cuda for device tensors
+    ASSERT_TRUE(st.ok()) << "step " << t << ": " << st.message();
+    PathDecodeParams h = d;
+    h.q = slice_t(dec.q.view(), t, 1);
+    h.k = slice_t(dec.k.view(), t, 1);
+    h.v = slice_t(dec.v.view(), t, 1);
+    h.w = slice_t(dec.w.view(), t, 1);
+    h.beta = slice_t(dec.beta.view(), t, 1);
+    h.g = slice_t(dec.g.view(), t, 1);
+    h.o = hco.view();
+    h.cache = ccache.view();
+    h.backend = Backend::cpu;
+    st = path_attn_decode(h);
+    ASSERT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dgo.to_host(go);
+    for (int64_t i = 0; i < go.numel(); ++i) {
+      a.push_back(go.get(i));
+      b.push_back(hco.get(i));
+    }
+  }
+  const int64_t want[4] = {17 + steps, steps, 530 + steps, 3 + steps};
+  for (int64_t n = 0; n < N; ++n) {
+    EXPECT_EQ(gcache.len(n), want[n]);
+    EXPECT_EQ(ccache.len(n), want[n]);
+  }
+  gcache.to_host();
+  ASSERT_TRUE(all_finite(a));
+  const double eo = rel_l2(a, b), ek = cache_err(gcache.kc, ccache.kc, ccache);
+  const double ev = cache_err(gcache.vc, ccache.vc, ccache), eg = cache_err(gcache.gc, ccache.gc, ccache);
+  EXPECT_LE(eo, 4e-3);
+  EXPECT_LE(ek, 1e-5);
+  EXPECT_EQ(ev, 0.0);
+  EXPECT_LE(eg, 1e-12);
+  std::printf("[varlen decode] o vs cpu %.2e, kc %.2e, vc %.2e, gc %.2e\n", eo, ek, ev, eg);
+}
+
+TEST(CudaDecode, BadInput) {
+  REQUIRE_GPU();
+  CaseSpec s = mk(10, 2, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 831);
+  s.B = 1;
+  Case c = Case::make(s);
+  GpuCase gc(c);
+  HostTensor o(s.dtype, {1, 10, 2, 64});
+  DevTensor dout(o, false), none;
+  // A cache that the prefill fills to capacity: the next decode step has no room.
+  TestCache full(1, 2, 2, 10, 64, 64, true, true);
+  PathPrefillParams p;
+  p.fwd = gc.fwd_params(dout, none);
+  p.cache = full.view();
+  Status st = path_attn_prefill(p);
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(full.len(0), 10);
+  HostTensor so(s.dtype, {1, 1, 2, 64});
+  DevTensor dso(so, false);
+  PathDecodeParams d;
+  d.q = slice_t(vw(gc.q), 0, 1);
+  d.k = slice_t(vw(gc.k), 0, 1);
+  d.v = slice_t(vw(gc.v), 0, 1);
+  d.w = slice_t(vw(gc.w), 0, 1);
+  d.beta = slice_t(vw(gc.beta), 0, 1);
+  d.g = slice_t(vw(gc.g), 0, 1);
+  d.o = vw(dso);
+  d.cache = full.view();
+  d.backend = Backend::cuda;
+  st = path_attn_decode(d);
+  EXPECT_EQ(st.code(), Status::Code::invalid_argument) << st.message();
+  EXPECT_NE(st.message().find("cache.lengths"), std::string::npos) << st.message();
+  EXPECT_EQ(full.len(0), 10);
+
+  // A host cache with device inputs.
+  TestCache host(1, 2, 2, 20, 64, 64, true, false);
+  d.cache = host.view();
+  st = path_attn_decode(d);
+  EXPECT_EQ(st.code(), Status::Code::invalid_argument) << st.message();
+  EXPECT_NE(st.message().find("cache.kc"), std::string::npos) << st.message();
+  p.cache = host.view();
+  st = path_attn_prefill(p);
+  EXPECT_EQ(st.code(), Status::Code::invalid_argument) << st.message();
+  EXPECT_NE(st.message().find("cache.kc"), std::string::npos) << st.message();
+
+  // A head dim the cuda backend does not build: unsupported, naming q, for prefill and decode.
+  CaseSpec s32 = mk(10, 2, 2, 32, 64, false, BetaMode::uniform02, DType::bf16, 832);
+  s32.B = 1;
+  Case c32 = Case::make(s32);
+  GpuCase g32(c32);
+  TestCache cache32(1, 2, 2, 20, 32, 64, false, true);
+  p = PathPrefillParams();
+  p.fwd = g32.fwd_params(dout, none);
+  p.cache = cache32.view();
+  st = path_attn_prefill(p);
+  EXPECT_EQ(st.code(), Status::Code::unsupported) << st.message();
+  EXPECT_NE(st.message().find("q: head dim K = 32"), std::string::npos) << st.message();
+  d = PathDecodeParams();
+  d.q = slice_t(vw(g32.q), 0, 1);
+  d.k = slice_t(vw(g32.k), 0, 1);
+  d.v = slice_t(vw(g32.v), 0, 1);
+  d.w = slice_t(vw(g32.w), 0, 1);
+  d.beta = slice_t(vw(g32.beta), 0, 1);
+  d.o = vw(dso);
+  d.cache = cache32.view();
+  st = path_attn_decode(d);
+  EXPECT_EQ(st.code(), Status::Code::unsupported) << st.message();
+  EXPECT_NE(st.message().find("q: head dim K = 32"), std::string::npos) << st.message();
+  EXPECT_EQ(cache32.len(0), 0);
 }
 
 }  // namespace
