@@ -70,12 +70,20 @@ def test_use_cache_parity_with_fla():
     assert rl2(o, o_ref) <= 5e-3 and rl2(kc, kc_ref) <= 5e-3
 
 
-def test_cuda_matches_cpu_oracle_float32():
-    x = gpu_inputs(B=1, T=300, HQ=4, H=1, K=64, V=64, dtype=torch.float32)
+def test_cuda_matches_cpu_oracle_bf16():
+    x = gpu_inputs(B=1, T=300, HQ=4, H=1, K=64, V=64, dtype=torch.bfloat16)
     o, _ = pathattn.parallel_path_attn(*(x[n] for n in ("q", "k", "v", "w", "beta", "g")))
     xc = {n: t.double().cpu() for n, t in x.items()}
     o64, _ = pathattn.parallel_path_attn(*(xc[n] for n in ("q", "k", "v", "w", "beta", "g")), backend="oracle")
-    assert rl2(o, o64) < 2e-5
+    assert rl2(o, o64) < 4e-3
+
+
+def test_cuda_rejects_float32_clearly():
+    # The CUDA kernels are built for bf16 / fp16 q, k, v (README, python/README.md); fp32 must be refused
+    # with an error naming q, never computed silently in another precision.
+    x = gpu_inputs(B=1, T=64, HQ=2, H=1, K=64, V=64, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"^q: dtype float32"):
+        pathattn.parallel_path_attn(*(x[n] for n in ("q", "k", "v", "w", "beta", "g")))
 
 
 def test_opcheck_and_compile_on_cuda():
