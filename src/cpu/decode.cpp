@@ -137,7 +137,7 @@ void prefill_unit(const PathPrefillParams& p, const Problem& pr, const Seq& s, i
       double* gc = cache_row<double>(c.gc, n, hq, 0);
       for (int64_t j = 0; j < L; ++j) {
         G += core::load_elem<double>(f.g.data, f.g.dtype, core::offset3(f.g, s.b, s.t0 + j, hq));
-        gc[j * c.gc.stride[2]] = Tc(G);
+        gc[j * c.gc.stride[2]] = G;
       }
     }
   }
