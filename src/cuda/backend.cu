@@ -9,62 +9,11 @@
 #include <vector>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/host_util.h"
 #include "cuda/launchers.h"
 
 namespace pathattn::cuda {
 namespace {
-
-Status unsupported(const std::string& m) { return Status(Status::Code::unsupported, m); }
-Status internal(const std::string& m) { return Status(Status::Code::internal, m); }
-
-#define PA_CU(expr)                                                                              \
-  do {                                                                                           \
-    cudaError_t _e = (expr);                                                                     \
-    if (_e != cudaSuccess) return internal(std::string("cuda: ") + #expr + ": " + cudaGetErrorString(_e)); \
-  } while (0)
-
-// Stream-ordered allocations released together (also on early error returns).
-class Workspace {
- public:
-  explicit Workspace(cudaStream_t s) : s_(s) {}
-  ~Workspace() {
-    for (void* p : ptrs_) cudaFreeAsync(p, s_);
-  }
-  template <typename T>
-  cudaError_t alloc(T** out, size_t count) {
-    void* p = nullptr;
-    cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(count, 1) * sizeof(T), s_);
-    if (e != cudaSuccess) return e;
-    ptrs_.push_back(p);
-    *out = static_cast<T*>(p);
-    return cudaSuccess;
-  }
-  size_t count() const { return ptrs_.size(); }
-
- private:
-  cudaStream_t s_;
-  std::vector<void*> ptrs_;
-};
-
-Status check_support(const core::Problem& pr, DType dt) {
-  if (dt != DType::bf16 && dt != DType::f16) {
-    return unsupported(std::string("q: dtype ") + dtype_name(dt) +
-                       " is not supported by the cuda backend: expected bfloat16 or float16");
-  }
-  auto ok_dim = [](int64_t d) { return d == 64 || d == 128; };
-  if (!ok_dim(pr.K)) {
-    return unsupported("q: head dim K = " + std::to_string(pr.K) + " is not supported by the cuda backend: supported " +
-                       supported_head_dims());
-  }
-  if (!ok_dim(pr.V)) {
-    return unsupported("v: head dim V = " + std::to_string(pr.V) + " is not supported by the cuda backend: supported " +
-                       supported_head_dims());
-  }
-  if (pr.B * pr.T > (int64_t(1) << 31) / 64 || pr.HQ > 4096) {
-    return unsupported("q: B * T = " + std::to_string(pr.B * pr.T) + " tokens is more than the cuda backend's chunk table holds");
-  }
-  return Status::Ok();
-}
 
 Status check_smem(size_t need, const char* what) {
   int dev = 0, optin = 0;

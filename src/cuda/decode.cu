@@ -10,60 +10,10 @@
 
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.h"
+#include "cuda/host_util.h"
 
 namespace pathattn::cuda {
 namespace {
-
-Status unsupported(const std::string& m) { return Status(Status::Code::unsupported, m); }
-Status internal(const std::string& m) { return Status(Status::Code::internal, m); }
-
-#define PA_CU(expr)                                                                              \
-  do {                                                                                           \
-    cudaError_t _e = (expr);                                                                     \
-    if (_e != cudaSuccess) return internal(std::string("cuda: ") + #expr + ": " + cudaGetErrorString(_e)); \
-  } while (0)
-
-// Stream-ordered allocations released together (also on early error returns).
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t s) : s_(s) {}
-  ~Scratch() {
-    for (void* p : ptrs_) cudaFreeAsync(p, s_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename T>
-  cudaError_t alloc(T** out, size_t count) {
-    void* p = nullptr;
-    cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(count, 1) * sizeof(T), s_);
-    if (e != cudaSuccess) return e;
-    ptrs_.push_back(p);
-    *out = static_cast<T*>(p);
-    return cudaSuccess;
-  }
-
- private:
-  cudaStream_t s_;
-  std::vector<void*> ptrs_;
-};
-
-// What the decode kernels support: the forward's dtypes and head dims (the prefill runs the forward).
-Status check_decode_support(const core::Problem& pr, DType dt) {
-  if (dt != DType::bf16 && dt != DType::f16) {
-    return unsupported(std::string("q: dtype ") + dtype_name(dt) +
-                       " is not supported by the cuda backend: expected bfloat16 or float16");
-  }
-  auto ok_dim = [](int64_t d) { return d == 64 || d == 128; };
-  if (!ok_dim(pr.K)) {
-    return unsupported("q: head dim K = " + std::to_string(pr.K) + " is not supported by the cuda backend: supported " +
-                       supported_head_dims());
-  }
-  if (!ok_dim(pr.V)) {
-    return unsupported("v: head dim V = " + std::to_string(pr.V) + " is not supported by the cuda backend: supported " +
-                       supported_head_dims());
-  }
-  return Status::Ok();
-}
 
 void strides3(const TensorView& v, int64_t (&s)[3]) {
   for (int i = 0; i < 3; ++i) s[i] = v.ndim > i ? v.stride[i] : 0;
@@ -403,7 +353,7 @@ __global__ void decode_merge_kernel(DecodeArgs a) {
 // Host entry points (after cpu/decode.cpp's validation).
 
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots) {
-  PA_TRY(check_decode_support(pr, p.fwd.q.dtype));
+  PA_TRY(check_support(pr, p.fwd.q.dtype));
   int dev = 0, optin = 0;
   PA_CU(cudaGetDevice(&dev));
   PA_CU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -422,7 +372,7 @@ Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::v
   const DecodeCache& c = p.cache;
   std::vector<SlotDesc> host(slots.size());
   for (size_t i = 0; i < slots.size(); ++i) host[i] = {slots[i].b, slots[i].t0, slots[i].len};
-  Scratch ws(s);
+  Workspace ws(s);
   SlotDesc* dslots = nullptr;
   PA_CU(ws.alloc(&dslots, host.size()));
   PA_CU(cudaMemcpyAsync(dslots, host.data(), host.size() * sizeof(SlotDesc), cudaMemcpyHostToDevice, s));
@@ -474,7 +424,7 @@ Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::v
 }
 
 Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths) {
-  PA_TRY(check_decode_support(pr, p.q.dtype));
+  PA_TRY(check_support(pr, p.q.dtype));
   const int64_t N = pr.B;
   if (N == 0) return Status::Ok();
   int64_t longest = 0;
@@ -486,7 +436,7 @@ Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vec
   }
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const DecodeCache& c = p.cache;
-  Scratch ws(s);
+  Workspace ws(s);
   int64_t* dlen = nullptr;
   float* part = nullptr;
   PA_CU(ws.alloc(&dlen, size_t(N)));
