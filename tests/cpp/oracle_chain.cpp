@@ -33,14 +33,14 @@ struct Run {
   Status status;
 };
 
-Run run_both(const Case& c, const HostTensor& dout, Backend be, int num_threads) {
+Run run_both(const Case& c, const HostTensor& dout, Backend be, int num_threads, int chunk_size = 0) {
   Run r;
-  r.f = run_fwd(c, be, num_threads);
+  r.f = run_fwd(c, be, num_threads, chunk_size);
   if (!r.f.status.ok()) {
     r.status = r.f.status;
     return r;
   }
-  r.b = run_bwd(c, r.f, dout, be, num_threads);
+  r.b = run_bwd(c, r.f, dout, be, num_threads, chunk_size);
   r.status = r.b.status;
   return r;
 }
@@ -125,7 +125,7 @@ Case cast_case(const Case& c, DType dt) {
   return r;
 }
 
-CaseCheck check_case(const CaseSpec& spec, Backend candidate, int num_threads) {
+CaseCheck check_case(const CaseSpec& spec, Backend candidate, int num_threads, int chunk_size) {
   CaseCheck cc;
   CaseSpec s = spec;
   s.dtype = DType::f64;
@@ -139,7 +139,7 @@ CaseCheck check_case(const CaseSpec& spec, Backend candidate, int num_threads) {
     cc.status = Status(ref64.status.code(), "oracle: " + ref64.status.message());
     return cc;
   }
-  const Run got64 = run_both(c64, dout64, candidate, num_threads);
+  const Run got64 = run_both(c64, dout64, candidate, num_threads, chunk_size);
   if (!got64.status.ok()) {
     cc.status = got64.status;
     return cc;
@@ -155,7 +155,7 @@ CaseCheck check_case(const CaseSpec& spec, Backend candidate, int num_threads) {
     cc.status = Status(ref32.status.code(), "oracle: " + ref32.status.message());
     return cc;
   }
-  const Run got32 = run_both(c32, dout32, candidate, num_threads);
+  const Run got32 = run_both(c32, dout32, candidate, num_threads, chunk_size);
   if (!got32.status.ok()) {
     cc.status = got32.status;
     return cc;

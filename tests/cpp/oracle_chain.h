@@ -50,8 +50,8 @@ TensorCheck compare_tensor(const std::string& precision, const std::string& tens
 //   fp32: candidate on the inputs rounded to f32 (q, k, v, w, beta, g, dout) vs the oracle on exactly
 //         those rounded values, rel_l2 <= kFp32RelL2Fwd (o, lse) / kFp32RelL2Grad (gradients).
 // The candidate's backward consumes its own forward's o and lse. Tensors: o, lse, dq, dk, dv, and dw,
-// dbeta (PaTH), dg (gate).
-CaseCheck check_case(const CaseSpec& spec, Backend candidate, int num_threads = 0);
+// dbeta (PaTH), dg (gate). chunk_size is passed to the candidate (0 = its default).
+CaseCheck check_case(const CaseSpec& spec, Backend candidate, int num_threads = 0, int chunk_size = 0);
 
 // The case with q, k, v cast to `dt` (w, beta, g to f64 if dt is f64, else f32); cu_seqlens shared.
 Case cast_case(const Case& c, DType dt);
