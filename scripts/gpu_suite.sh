@@ -2,6 +2,9 @@
 # scripts/gpu_suite.sh: everything the CUDA backend needs checked on a GPU machine, in one go: build (unless
 # a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
 # racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing bench/results/gpu_h200.md.
+# Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
+# opcheck / torch.compile, prefill and decode on the GPU) when a pathattn wheel built with the CUDA backend
+# sits in .whl/ or WHEELS (installed with the fla wheels found there into a private target directory).
 # Usage: scripts/gpu_suite.sh [--build DIR] [--quick] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
@@ -63,5 +66,14 @@ if [ "$BENCH" = 1 ]; then
   PATHATTN_COMMIT=${PATHATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")} PYTHONUNBUFFERED=1 \
     python3 bench/gpu_bench.py --lib "$CAPI" --out bench/results/gpu_h200.md --Ts "$TS" $QUICK 2>&1 | tee "$OUTDIR/bench.log"
   cp bench/results/gpu_h200.md "$OUTDIR/" 2>/dev/null || true
+fi
+WHEELS=${WHEELS:-.whl}
+if [ "$TESTS" = 1 ] && ls "$WHEELS"/pathattn-*.whl > /dev/null 2>&1; then
+  echo "== Python GPU tests"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_py \
+    "$WHEELS"/pathattn-*.whl $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl 2>/dev/null) || status=1
+  (cd python/tests && PYTHONPATH=/tmp/pathattn_py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
+    python3 -m pytest -q -s -p no:cacheprovider test_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | grep -E "^\[fla|passed|failed|^E ")
+  grep -qE "[0-9]+ passed" "$OUTDIR/pytest_gpu.log" && ! grep -qE "[0-9]+ failed|error" "$OUTDIR/pytest_gpu.log" || status=1
 fi
 exit $status
