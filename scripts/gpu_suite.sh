@@ -74,6 +74,6 @@ if [ "$TESTS" = 1 ] && ls "$WHEELS"/pathattn-*.whl > /dev/null 2>&1; then
     "$WHEELS"/pathattn-*.whl $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl 2>/dev/null) || status=1
   (cd python/tests && PYTHONPATH=/tmp/pathattn_py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
     python3 -m pytest -q -s -p no:cacheprovider test_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | grep -E "^\[fla|passed|failed|^E ")
-  grep -qE "[0-9]+ passed" "$OUTDIR/pytest_gpu.log" && ! grep -qE "[0-9]+ failed|error" "$OUTDIR/pytest_gpu.log" || status=1
+  grep -qE "[0-9]+ passed" "$OUTDIR/pytest_gpu.log" && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUTDIR/pytest_gpu.log" || status=1
 fi
 exit $status
