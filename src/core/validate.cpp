@@ -62,6 +62,9 @@ namespace {
 
 Status bad(const std::string& m) { return Status(Status::Code::invalid_argument, m); }
 
+// More threads than any machine we target has cores: an OpenMP team that large fails to start or thrashes.
+constexpr int kMaxThreads = 1024;
+
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::bf16 || d == DType::f16; }
 
 }  // namespace
@@ -225,7 +228,9 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
   if (!std::isnan(gate_scale) && !std::isfinite(gate_scale)) return bad("gate_scale: must be finite (or kDefaultScale)");
   pr->scale = std::isnan(scale) ? 1.0 / std::sqrt(double(pr->K)) : scale;
   pr->gate_scale = std::isnan(gate_scale) ? pr->scale : gate_scale;
-  if (num_threads < 0) return bad("num_threads: expected >= 0 (0 = default), got " + std::to_string(num_threads));
+  if (num_threads < 0 || num_threads > kMaxThreads) {
+    return bad("num_threads: expected 0 (default) to " + std::to_string(kMaxThreads) + ", got " + std::to_string(num_threads));
+  }
   if (chunk_size != 0 && (chunk_size % 8 != 0 || chunk_size < 8 || chunk_size > 1024)) {
     return bad("chunk_size: expected 0 (default) or a multiple of 8 in [8, 1024], got " + std::to_string(chunk_size));
   }

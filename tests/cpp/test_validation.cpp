@@ -241,6 +241,7 @@ std::vector<Mutation<P>> option_mutations() {
       {"w without beta", [](P& p) { p.beta = TensorView(); }, "beta"},
       {"beta without w", [](P& p) { p.w = TensorView(); }, "w"},
       {"num_threads -1", [](P& p) { p.num_threads = -1; }, "num_threads"},
+      {"num_threads 1025", [](P& p) { p.num_threads = 1025; }, "num_threads"},
       {"chunk_size 7", [](P& p) { p.chunk_size = 7; }, "chunk_size"},
       {"chunk_size 4", [](P& p) { p.chunk_size = 4; }, "chunk_size"},
       {"chunk_size -8", [](P& p) { p.chunk_size = -8; }, "chunk_size"},
