@@ -131,33 +131,54 @@ Backend to_backend(int b) {
 
 void* to_stream(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
-// The scale arguments use NaN for "default" (kDefaultScale), which Python passes as float('nan').
-void fwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
-         const OptIn& g, const OptIn& cu_seqlens, OutArray& o, OptOut& lse, double scale, double gate_scale,
-         int backend, int num_threads, int chunk_size, bool validate, uintptr_t stream) {
-  PathFwdParams p;
+// Fields every params struct (forward, backward, decode) has. The scale arguments use NaN for "default"
+// (kDefaultScale), which Python passes as float('nan').
+template <typename P>
+void set_common(P& p, const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
+                const OptIn& g, double scale, double gate_scale, int backend, int num_threads, uintptr_t stream) {
   p.q = view_of("q", q);
   p.k = view_of("k", k);
   p.v = view_of("v", v);
   p.w = opt_view("w", w);
   p.beta = opt_view("beta", beta);
   p.g = opt_view("g", g);
-  p.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
-  p.o = view_of("o", o);
-  p.lse = opt_view("lse", lse);
   p.scale = scale;
   p.gate_scale = gate_scale;
   p.backend = to_backend(backend);
   p.num_threads = num_threads;
-  p.chunk_size = chunk_size;
-  p.validate = validate;
   p.stream = to_stream(stream);
+}
+
+// Runs an entry point without the GIL, then turns a failed Status into the matching Python exception.
+template <typename P>
+void run_released(Status (*entry)(const P&), const P& p) {
   Status st;
   {
     nb::gil_scoped_release release;
-    st = path_attn_fwd(p);
+    st = entry(p);
   }
   raise_status(st);
+}
+
+PathFwdParams fwd_params(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
+                         const OptIn& g, const OptIn& cu_seqlens, OutArray& o, OptOut& lse, double scale,
+                         double gate_scale, int backend, int num_threads, int chunk_size, bool validate,
+                         uintptr_t stream) {
+  PathFwdParams p;
+  set_common(p, q, k, v, w, beta, g, scale, gate_scale, backend, num_threads, stream);
+  p.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
+  p.o = view_of("o", o);
+  p.lse = opt_view("lse", lse);
+  p.chunk_size = chunk_size;
+  p.validate = validate;
+  return p;
+}
+
+void fwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
+         const OptIn& g, const OptIn& cu_seqlens, OutArray& o, OptOut& lse, double scale, double gate_scale,
+         int backend, int num_threads, int chunk_size, bool validate, uintptr_t stream) {
+  run_released(path_attn_fwd, fwd_params(q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate_scale, backend,
+                                         num_threads, chunk_size, validate, stream));
 }
 
 void bwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
@@ -166,12 +187,7 @@ void bwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, c
          double gate_scale, int backend, int num_threads, int chunk_size, bool deterministic, bool validate,
          uintptr_t stream) {
   PathBwdParams p;
-  p.q = view_of("q", q);
-  p.k = view_of("k", k);
-  p.v = view_of("v", v);
-  p.w = opt_view("w", w);
-  p.beta = opt_view("beta", beta);
-  p.g = opt_view("g", g);
+  set_common(p, q, k, v, w, beta, g, scale, gate_scale, backend, num_threads, stream);
   p.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
   p.o = view_of("o", o);
   p.lse = view_of("lse", lse);
@@ -182,20 +198,10 @@ void bwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, c
   p.dw = opt_view("dw", dw);
   p.dbeta = opt_view("dbeta", dbeta);
   p.dg = opt_view("dg", dg);
-  p.scale = scale;
-  p.gate_scale = gate_scale;
-  p.backend = to_backend(backend);
-  p.num_threads = num_threads;
   p.chunk_size = chunk_size;
   p.deterministic = deterministic;
   p.validate = validate;
-  p.stream = to_stream(stream);
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = path_attn_bwd(p);
-  }
-  raise_status(st);
+  run_released(path_attn_bwd, p);
 }
 
 DecodeCache cache_of(OutArray& kc, OutArray& vc, OptOut& gc, OutArray& lengths) {
@@ -212,55 +218,21 @@ void prefill(const InArray& q, const InArray& k, const InArray& v, const OptIn& 
              OptOut& gc, OutArray& lengths, double scale, double gate_scale, int backend, int num_threads,
              int chunk_size, bool validate, uintptr_t stream) {
   PathPrefillParams p;
-  p.fwd.q = view_of("q", q);
-  p.fwd.k = view_of("k", k);
-  p.fwd.v = view_of("v", v);
-  p.fwd.w = opt_view("w", w);
-  p.fwd.beta = opt_view("beta", beta);
-  p.fwd.g = opt_view("g", g);
-  p.fwd.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
-  p.fwd.o = view_of("o", o);
-  p.fwd.lse = opt_view("lse", lse);
-  p.fwd.scale = scale;
-  p.fwd.gate_scale = gate_scale;
-  p.fwd.backend = to_backend(backend);
-  p.fwd.num_threads = num_threads;
-  p.fwd.chunk_size = chunk_size;
-  p.fwd.validate = validate;
-  p.fwd.stream = to_stream(stream);
+  p.fwd = fwd_params(q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate_scale, backend, num_threads, chunk_size,
+                     validate, stream);
   p.cache = cache_of(kc, vc, gc, lengths);
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = path_attn_prefill(p);
-  }
-  raise_status(st);
+  run_released(path_attn_prefill, p);
 }
 
 void decode(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
             const OptIn& g, OutArray& o, OptOut& lse, OutArray& kc, OutArray& vc, OptOut& gc, OutArray& lengths,
             double scale, double gate_scale, int backend, int num_threads, uintptr_t stream) {
   PathDecodeParams p;
-  p.q = view_of("q", q);
-  p.k = view_of("k", k);
-  p.v = view_of("v", v);
-  p.w = opt_view("w", w);
-  p.beta = opt_view("beta", beta);
-  p.g = opt_view("g", g);
+  set_common(p, q, k, v, w, beta, g, scale, gate_scale, backend, num_threads, stream);
   p.o = view_of("o", o);
   p.lse = opt_view("lse", lse);
   p.cache = cache_of(kc, vc, gc, lengths);
-  p.scale = scale;
-  p.gate_scale = gate_scale;
-  p.backend = to_backend(backend);
-  p.num_threads = num_threads;
-  p.stream = to_stream(stream);
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = path_attn_decode(p);
-  }
-  raise_status(st);
+  run_released(path_attn_decode, p);
 }
 
 // Describes how an array arrives on the C++ side (data address, dtype, device, shape, strides), so the
