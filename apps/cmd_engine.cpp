@@ -82,14 +82,14 @@ void guarded(int* exit_code, F&& f) {
 }
 
 struct TrainArgs {
-  std::string config, preset, out, resume;
+  std::string config, preset, out, resume, device;
   std::vector<std::string> sets;
   int64_t stop_after = -1;
   bool no_progress = false;
 };
 
 struct EvalArgs {
-  std::string checkpoint, backend = "cpu";
+  std::string checkpoint, backend = "cpu", device;
   int batch = 32, threads = 0;
 };
 
@@ -101,7 +101,7 @@ struct SampleArgs {
 };
 
 struct ReproArgs {
-  std::string out, preset;
+  std::string out, preset, device;
   std::vector<std::string> sets, models;
   std::vector<uint64_t> seeds;
   std::vector<int> lengths, n_backs;
@@ -118,6 +118,7 @@ void add_repro(CLI::App& repro, const std::string& name, const std::string& help
   c->add_option("--models", a->models, "Attention kinds to train (path, path-fox, fox, rope, nope)")->delimiter(',');
   c->add_option("--seeds", a->seeds, "Training seeds (flipflop: each model is trained once per seed)")
       ->delimiter(',');
+  c->add_option("--device", a->device, "Train on cpu or cuda (overrides train.device)");
   c->add_flag("--no-progress", a->no_progress, "No progress bar");
   if (name == "a5") {
     c->add_option("--lengths", a->lengths, "Word lengths (default 5,10,15,20)")->delimiter(',');
@@ -137,6 +138,7 @@ void add_repro(CLI::App& repro, const std::string& name, const std::string& help
       o.max_layers = a->max_layers;
       o.n_backs = a->n_backs;
       o.progress = !a->no_progress;
+      o.device = a->device;
       if (name == "flipflop") repro_flipflop(o);
       else if (name == "a5") repro_a5(o);
       else repro_mqrar(o);
@@ -156,12 +158,15 @@ void register_engine(CLI::App& app, int* exit_code) {
   train->add_option("--out", ta->out, "Run directory (default runs/<task>_<attn>)");
   train->add_option("--resume", ta->resume, "Continue from this checkpoint (its config is used; same directory)");
   train->add_option("--stop-after", ta->stop_after, "Stop after this many steps (writes a checkpoint)");
+  train->add_option("--device", ta->device,
+                    "Train on cpu or cuda (overrides train.device, also a resumed checkpoint's)");
   train->add_flag("--no-progress", ta->no_progress, "No progress bar");
   train->callback([ta, exit_code] {
     guarded(exit_code, [&] {
       RunOptions ro;
       ro.stop_after = ta->stop_after;
       ro.progress = !ta->no_progress;
+      ro.device = ta->device;
       RunConfig cfg;
       if (!ta->resume.empty()) {
         if (!ta->config.empty() || !ta->preset.empty() || !ta->sets.empty())
@@ -192,9 +197,11 @@ void register_engine(CLI::App& app, int* exit_code) {
   eval->add_option("--batch", ea->batch, "Sequences per forward (default 32)");
   eval->add_option("--backend", ea->backend, "Attention backend: cpu or oracle");
   eval->add_option("--threads", ea->threads, "Attention threads (0: default)");
+  eval->add_option("--device", ea->device, "Evaluate on cpu or cuda (default: the checkpoint's train.device)");
   eval->callback([ea, exit_code] {
     guarded(exit_code, [&] {
-      const json r = evaluate_checkpoint(ea->checkpoint, ea->batch, parse_backend(ea->backend), ea->threads);
+      const json r = evaluate_checkpoint(ea->checkpoint, ea->batch, parse_backend(ea->backend), ea->threads,
+                                         ea->device);
       std::printf("%s\n", r.dump(2).c_str());
     });
   });

@@ -75,7 +75,9 @@ struct TrainConfig {
   double grad_clip = 1.0;       // global L2 norm; 0: off
   uint64_t seed = 1;            // parameter init and the training data stream
   std::string dtype = "f32";    // f32 | f64
-  std::string backend = "cpu";  // attention backend: cpu | oracle (cuda later)
+  std::string backend = "cpu";  // attention backend of the cpu device: cpu | oracle
+  std::string device = "cpu";   // where the whole model trains: cpu | cuda (engine/cuda/, PATHATTN_CUDA=ON builds)
+  bool tf32 = false;            // cuda: TF32 tensor-core GEMMs (off: plain fp32, tight CPU parity)
   int threads = 0;              // attention threads; 0: OpenMP default
   int eval_every = 0;           // 0: only at the end
   int checkpoint_every = 0;     // 0: only at the end

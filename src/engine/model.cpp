@@ -60,28 +60,25 @@ std::vector<ParamInfo> param_layout(const ModelConfig& m) {
   return L;
 }
 
-template <typename T>
-Model<T>::Model(const ModelConfig& cfg) : cfg_(cfg), layout_(param_layout(cfg)) {
-  const int64_t total = layout_.back().offset + layout_.back().numel;
-  params.assign(total, T(0));
-  grads.assign(total, T(0));
+ParamOffsets param_offsets(const ModelConfig& m, const std::vector<ParamInfo>& layout) {
   auto off = [&](const std::string& n) -> int64_t {
-    for (const auto& p : layout_)
+    for (const auto& p : layout)
       if (p.name == n) return p.offset;
     return -1;
   };
-  off_wte_ = off("wte");
-  off_lnf_ = off("lnf");
-  off_head_ = off("lm_head");
-  for (int l = 0; l < cfg.n_layer; ++l) {
+  ParamOffsets po;
+  po.wte = off("wte");
+  po.lnf = off("lnf");
+  po.head = off("lm_head");
+  for (int l = 0; l < m.n_layer; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
-    LayerOffsets o;
+    BlockOffsets o;
     o.ln1 = off(b + "ln1");
     o.wq = off(b + "attn.wq");
     o.wk = off(b + "attn.wk");
     o.wv = off(b + "attn.wv");
     o.wo = off(b + "attn.wo");
-    o.ww1 = cfg.w_rank > 0 ? off(b + "attn.ww1") : off(b + "attn.ww");
+    o.ww1 = m.w_rank > 0 ? off(b + "attn.ww1") : off(b + "attn.ww");
     o.ww2 = off(b + "attn.ww2");
     o.wconv = off(b + "attn.wconv");
     o.wb = off(b + "attn.wb");
@@ -91,8 +88,21 @@ Model<T>::Model(const ModelConfig& cfg) : cfg_(cfg), layout_(param_layout(cfg)) 
     o.ln2 = off(b + "ln2");
     o.wfc = off(b + "mlp.wfc");
     o.wproj = off(b + "mlp.wproj");
-    lo_.push_back(o);
+    po.blocks.push_back(o);
   }
+  return po;
+}
+
+template <typename T>
+Model<T>::Model(const ModelConfig& cfg) : cfg_(cfg), layout_(param_layout(cfg)) {
+  const int64_t total = layout_.back().offset + layout_.back().numel;
+  params.assign(total, T(0));
+  grads.assign(total, T(0));
+  const ParamOffsets po = param_offsets(cfg, layout_);
+  off_wte_ = po.wte;
+  off_lnf_ = po.lnf;
+  off_head_ = po.head;
+  lo_ = po.blocks;
 }
 
 template <typename T>
@@ -224,7 +234,7 @@ StepStats Model<T>::forward(const int32_t* tokens, const int32_t* targets, int64
   embedding_fwd(tokens, P + off_wte_, x.data(), N, C);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     LayerActs& a = acts_[l];
-    const LayerOffsets& o = lo_[l];
+    const BlockOffsets& o = lo_[l];
     a.x = x;
     a.ln1.resize(N * C);
     a.rstd1.resize(N);
@@ -325,7 +335,7 @@ void Model<T>::backward() {
   std::vector<T> dws, dwraw, dwlr, dz;
   for (int l = cfg_.n_layer - 1; l >= 0; --l) {
     LayerActs& a = acts_[l];
-    const LayerOffsets& o = lo_[l];
+    const BlockOffsets& o = lo_[l];
     // MLP: x_out = x_mid + m Wproj, m = swiglu(rmsnorm(x_mid) Wfc).
     linear_bwd(a.m.data(), P + o.wproj, dx.data(), dm.data(), G + o.wproj, (T*)nullptr, N, F, C, false);
     swiglu_bwd(a.h.data(), dm.data(), dh.data(), N, F);

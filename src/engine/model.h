@@ -25,6 +25,17 @@ struct ParamInfo {
 // checkpoint's tensor order.
 std::vector<ParamInfo> param_layout(const ModelConfig& m);
 
+// Where each tensor of a layout starts in the flat array (-1: not in this config), by role: what the forward
+// and backward of every device read. w_in is ww1 (low rank) or ww (full w projection).
+struct BlockOffsets {
+  int64_t ln1, wq, wk, wv, wo, ww1, ww2, wconv, wb, bb, wg, bg, ln2, wfc, wproj;
+};
+struct ParamOffsets {
+  int64_t wte = -1, lnf = -1, head = -1;  // head: untied LM head
+  std::vector<BlockOffsets> blocks;
+};
+ParamOffsets param_offsets(const ModelConfig& m, const std::vector<ParamInfo>& layout);
+
 // Statistics of one forward pass over the rows that carry a target.
 struct StepStats {
   double loss = 0;            // mean cross-entropy over counted rows (0 when none)
@@ -65,9 +76,6 @@ class Model {
     std::vector<T> x, ln1, rstd1, q, k, v, wlr, wraw, wc, ws, w, wrinv, beta, g, o, lse;
     std::vector<T> xmid, ln2, rstd2, h, m;
   };
-  struct LayerOffsets {
-    int64_t ln1, wq, wk, wv, wo, ww1, ww2, wconv, wb, bb, wg, bg, ln2, wfc, wproj;
-  };
   void attention_fwd(LayerActs& a, int64_t B, int64_t T_);
   void attention_bwd(LayerActs& a, const std::vector<T>& dO, std::vector<T>& dq, std::vector<T>& dk,
                      std::vector<T>& dv, std::vector<T>& dw, std::vector<T>& dbeta, std::vector<T>& dg,
@@ -75,7 +83,7 @@ class Model {
 
   ModelConfig cfg_;
   std::vector<ParamInfo> layout_;
-  std::vector<LayerOffsets> lo_;
+  std::vector<BlockOffsets> lo_;
   int64_t off_wte_ = 0, off_lnf_ = 0, off_head_ = -1;
   // Saved activations of the last forward.
   int64_t nb_ = 0, nt_ = 0;

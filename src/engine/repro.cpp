@@ -20,8 +20,9 @@ namespace {
 
 RunConfig preset_config(const ReproOptions& o, const std::string& def) {
   const std::string name = o.preset.empty() ? def : o.preset;
-  RunConfig c = parse_config_text(embedded_config(name), "embedded config " + name);
-  return overlay_config(c, o.overlay);
+  RunConfig c = overlay_config(parse_config_text(embedded_config(name), "embedded config " + name), o.overlay);
+  if (!o.device.empty()) c.train.device = o.device;
+  return c;
 }
 
 std::string pct(double x, int prec = 3) {

@@ -21,6 +21,7 @@ struct ReproOptions {
   int max_layers = 4;               // a5: deepest model tried
   std::vector<int> n_backs;         // mqrar: N values (default 1 2 3 4)
   bool progress = true;
+  std::string device;               // train.device of every run ("cpu" | "cuda"); empty: the preset's
 };
 
 // Each returns the results as JSON and prints the table to stdout. Throws EngineError.

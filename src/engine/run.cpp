@@ -9,6 +9,9 @@
 #include "engine/checkpoint.h"
 #include "engine/optim.h"
 #include "engine/report.h"
+#ifdef PATHATTN_ENGINE_CUDA
+#include "engine/cuda/model_cuda.h"
+#endif
 
 namespace pathattn::engine {
 
@@ -30,8 +33,22 @@ RunConfig resolve_config(RunConfig c, const Task& task) {
   return c;
 }
 
-template <typename T>
-json evaluate(Model<T>& model, const Task& task, int64_t batch) {
+void check_device(const RunConfig& c) {
+  if (c.train.device == "cpu") return;
+  if (c.train.device != "cuda")
+    throw EngineError("train.device: expected cpu or cuda, got \"" + c.train.device + "\"");
+#ifndef PATHATTN_ENGINE_CUDA
+  throw EngineError("train.device = \"cuda\": this build has no CUDA support (configure with -DPATHATTN_CUDA=ON, "
+                    "or use --device cpu)");
+#else
+  if (c.train.dtype != "f32")
+    throw EngineError("train.dtype = \"" + c.train.dtype + "\": train.device = \"cuda\" trains in f32 only");
+  check_cuda_model(c.model);
+#endif
+}
+
+template <typename M>
+json evaluate(M& model, const Task& task, int64_t batch) {
   json out = json::object();
   const auto sets = task.eval_sets();
   Batch b;
@@ -58,22 +75,79 @@ json evaluate(Model<T>& model, const Task& task, int64_t batch) {
 
 namespace {
 
+// The model and its optimizer on the host (Model<T>, AdamW<T>).
 template <typename T>
+struct HostTrainer {
+  Model<T> model;
+  AdamW<T> adam;
+  explicit HostTrainer(const RunConfig& cfg) : model(cfg.model) {
+    model.backend = parse_backend(cfg.train.backend);
+    model.threads = cfg.train.threads;
+    adam.init(int64_t(model.params.size()));
+  }
+  void init(uint64_t seed) { model.init(seed); }
+  void restore(const CheckpointInfo& ck) { restore_checkpoint(ck, model, &adam); }
+  void save(const std::string& path, const RunConfig& cfg, int64_t step) {
+    save_checkpoint(path, cfg, model, adam, step);
+  }
+  StepStats forward(const Batch& b) { return model.forward(b.tokens.data(), b.targets.data(), b.B, b.T); }
+  void zero_grad() { model.zero_grad(); }
+  void backward() { model.backward(); }
+  double step(const TrainConfig& tc, double lr) { return adam.step(model, tc, lr); }
+  Model<T>& eval_model() { return model; }
+  void final_params(RunResult* r) {
+    if constexpr (std::is_same_v<T, float>) r->params_f32 = model.params;
+    else r->params_f64 = model.params;
+  }
+};
+
+#ifdef PATHATTN_ENGINE_CUDA
+// The model and its optimizer on the CUDA device. A host Model<float> / AdamW<float> is the staging copy
+// for init (the CPU engine's init, drawn on the host) and for checkpoints (the CPU engine's format).
+struct CudaTrainer {
+  Model<float> host;
+  AdamW<float> host_adam;
+  CudaModel dev;
+  explicit CudaTrainer(const RunConfig& cfg) : host(cfg.model), dev(cfg.model, cfg.train.tf32) {
+    host_adam.init(int64_t(host.params.size()));
+  }
+  void init(uint64_t seed) {
+    host.init(seed);
+    dev.upload(host, &host_adam);
+  }
+  void restore(const CheckpointInfo& ck) {
+    restore_checkpoint(ck, host, &host_adam);
+    dev.upload(host, &host_adam);
+  }
+  void save(const std::string& path, const RunConfig& cfg, int64_t step) {
+    dev.download(host, &host_adam);
+    save_checkpoint(path, cfg, host, host_adam, step);
+  }
+  StepStats forward(const Batch& b) { return dev.forward(b.tokens.data(), b.targets.data(), b.B, b.T); }
+  void zero_grad() { dev.zero_grad(); }
+  void backward() { dev.backward(); }
+  double step(const TrainConfig& tc, double lr) { return dev.adam_step(tc, lr); }
+  CudaModel& eval_model() { return dev; }
+  void final_params(RunResult* r) {
+    dev.download(host, nullptr);
+    r->params_f32 = host.params;
+  }
+};
+#endif
+
+template <typename Trainer>
 RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo* ck) {
   const auto task = make_task(cfg.task);
   cfg = resolve_config(cfg, *task);
+  check_device(cfg);
   const TrainConfig& tc = cfg.train;
-  Model<T> model(cfg.model);
-  model.backend = parse_backend(tc.backend);
-  model.threads = tc.threads;
-  AdamW<T> adam;
-  adam.init(int64_t(model.params.size()));
+  Trainer tr(cfg);
   int64_t step = 0;
   if (ck) {
-    restore_checkpoint(*ck, model, &adam);
+    tr.restore(*ck);
     step = ck->step;
   } else {
-    model.init(tc.seed);
+    tr.init(tc.seed);
   }
 
   const bool files = !opt.out_dir.empty();
@@ -89,10 +163,10 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
     else write_file_atomic(log.path(), "");
   }
   auto save = [&](int64_t s) {
-    if (files) save_checkpoint(ckpt_path, cfg, model, adam, s);
+    if (files) tr.save(ckpt_path, cfg, s);
   };
   auto do_eval = [&](int64_t s) {
-    json ev = evaluate(model, *task, std::min<int64_t>(std::max(tc.batch_size, 8), 64));
+    json ev = evaluate(tr.eval_model(), *task, std::min<int64_t>(std::max(tc.batch_size, 8), 64));
     if (files) {
       log.append({{"step", s}, {"eval", ev}});
       write_plot_svg(dir + "/plot.svg", log.read(), title, metric);
@@ -110,11 +184,11 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
   int64_t n_acc = 0;
   for (; step < end; ++step) {
     task->train_batch(tc.seed, step, tc.batch_size, &b);
-    model.zero_grad();
-    const StepStats st = model.forward(b.tokens.data(), b.targets.data(), b.B, b.T);
-    model.backward();
+    tr.zero_grad();
+    const StepStats st = tr.forward(b);
+    tr.backward();
     const double lr = lr_at(tc, step);
-    const double gnorm = adam.step(model, tc, lr);
+    const double gnorm = tr.step(tc, lr);
     res.last_loss = st.loss;
     loss_acc += st.loss;
     acc_acc += st.count > 0 ? double(st.correct) / double(st.count) : 0.0;
@@ -145,9 +219,19 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
   if (res.finished) res.eval = do_eval(step);
   if (files) write_plot_svg(dir + "/plot.svg", log.read(), title, metric);
   res.config = cfg;
-  if constexpr (std::is_same_v<T, float>) res.params_f32 = model.params;
-  else res.params_f64 = model.params;
+  tr.final_params(&res);
   return res;
+}
+
+RunResult train_on_device(const RunConfig& cfg, const RunOptions& opt, const CheckpointInfo* ck) {
+  if (cfg.train.device == "cuda") {
+#ifdef PATHATTN_ENGINE_CUDA
+    if (cfg.train.dtype == "f32") return train_typed<CudaTrainer>(cfg, opt, ck);
+#endif
+    check_device(cfg);  // throws: why this build or config cannot train on cuda
+  }
+  if (cfg.train.dtype == "f64") return train_typed<HostTrainer<double>>(cfg, opt, ck);
+  return train_typed<HostTrainer<float>>(cfg, opt, ck);
 }
 
 }  // namespace
@@ -155,36 +239,57 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
 RunResult train_run(const RunConfig& cfg_in, const RunOptions& opt) {
   if (!opt.resume.empty()) {
     const CheckpointInfo ck = read_checkpoint(opt.resume);
-    if (ck.dtype == "f64") return train_typed<double>(ck.config, opt, &ck);
-    return train_typed<float>(ck.config, opt, &ck);
+    RunConfig cfg = ck.config;
+    cfg.train.dtype = ck.dtype;  // the tensors decide
+    if (!opt.device.empty()) cfg.train.device = opt.device;
+    return train_on_device(cfg, opt, &ck);
   }
-  if (cfg_in.train.dtype == "f64") return train_typed<double>(cfg_in, opt, nullptr);
-  return train_typed<float>(cfg_in, opt, nullptr);
+  RunConfig cfg = cfg_in;
+  if (!opt.device.empty()) cfg.train.device = opt.device;
+  return train_on_device(cfg, opt, nullptr);
 }
 
 namespace {
 template <typename T>
-json eval_ck(const CheckpointInfo& ck, int64_t batch, Backend backend, int threads) {
-  const auto task = make_task(ck.config.task);
-  const RunConfig cfg = resolve_config(ck.config, *task);
+json eval_ck(const CheckpointInfo& ck, const RunConfig& cfg, const Task& task, int64_t batch, Backend backend,
+             int threads) {
   Model<T> model(cfg.model);
   model.backend = backend;
   model.threads = threads;
   restore_checkpoint<T>(ck, model, nullptr);
-  return evaluate(model, *task, batch);
+  return evaluate(model, task, batch);
 }
 }  // namespace
 
-json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads) {
+json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads,
+                         const std::string& device) {
   const CheckpointInfo ck = read_checkpoint(path);
   json out = {{"checkpoint", path}, {"step", ck.step}, {"task", ck.config.task.name},
               {"attn", attn_kind_name(ck.config.model.attn)}};
-  out["eval"] = ck.dtype == "f64" ? eval_ck<double>(ck, batch, backend, threads)
-                                  : eval_ck<float>(ck, batch, backend, threads);
+  const auto task = make_task(ck.config.task);
+  RunConfig cfg = resolve_config(ck.config, *task);
+  if (!device.empty()) cfg.train.device = device;
+  cfg.train.dtype = ck.dtype;
+  check_device(cfg);
+  out["device"] = cfg.train.device;
+#ifdef PATHATTN_ENGINE_CUDA
+  if (cfg.train.device == "cuda") {
+    CudaTrainer tr(cfg);
+    restore_checkpoint<float>(ck, tr.host, nullptr);
+    tr.dev.upload(tr.host, nullptr);
+    out["eval"] = evaluate(tr.dev, *task, batch);
+    return out;
+  }
+#endif
+  out["eval"] = ck.dtype == "f64" ? eval_ck<double>(ck, cfg, *task, batch, backend, threads)
+                                  : eval_ck<float>(ck, cfg, *task, batch, backend, threads);
   return out;
 }
 
-template json evaluate<float>(Model<float>&, const Task&, int64_t);
-template json evaluate<double>(Model<double>&, const Task&, int64_t);
+template json evaluate<Model<float>>(Model<float>&, const Task&, int64_t);
+template json evaluate<Model<double>>(Model<double>&, const Task&, int64_t);
+#ifdef PATHATTN_ENGINE_CUDA
+template json evaluate<CudaModel>(CudaModel&, const Task&, int64_t);
+#endif
 
 }  // namespace pathattn::engine

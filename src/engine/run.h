@@ -19,6 +19,7 @@ struct RunOptions {
   int64_t stop_after = -1;    // stop once this many steps are done (a checkpoint is written), as if killed
   bool progress = true;       // progress bar on stderr
   std::string label = "train";
+  std::string device;         // overrides train.device (of `config` or of the resumed checkpoint); empty: keep
 };
 
 struct RunResult {
@@ -35,16 +36,23 @@ struct RunResult {
 // Fills defaults that depend on the task (vocab_size, seq_len) and validates the config.
 RunConfig resolve_config(RunConfig c, const Task& task);
 Backend parse_backend(const std::string& s);
+// Throws EngineError unless the config can run on its train.device in this build (CUDA compiled in, a
+// device visible, f32, a head dim the CUDA attention supports).
+void check_device(const RunConfig& c);
 
 // Trains per `cfg` (or the checkpoint in opt.resume). Throws EngineError.
 RunResult train_run(const RunConfig& cfg, const RunOptions& opt);
 
-// Evaluates `model` on every test set of `task`, `batch` sequences at a time:
-// {"<set>": {"loss": mean CE at scored positions, "accuracy": ..., "error": 1 - accuracy (flip-flop), "count": n}}.
-template <typename T>
-nlohmann::json evaluate(Model<T>& model, const Task& task, int64_t batch);
+// Evaluates `model` (Model<float>, Model<double> or CudaModel) on every test set of `task`, `batch` sequences
+// at a time: {"<set>": {"loss": mean CE at scored positions, "accuracy": ..., "error": 1 - accuracy (flip-flop),
+// "count": n}}.
+template <typename M>
+nlohmann::json evaluate(M& model, const Task& task, int64_t batch);
 
-// Evaluates a checkpoint on its own task's test sets: {"checkpoint", "step", "task", "attn", "eval": {...}}.
-nlohmann::json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads);
+// Evaluates a checkpoint on its own task's test sets: {"checkpoint", "step", "task", "attn", "device",
+// "eval": {...}}. device: "cpu" or "cuda"; empty: the checkpoint config's train.device. backend and threads
+// apply to the cpu device.
+nlohmann::json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads,
+                                   const std::string& device = "");
 
 }  // namespace pathattn::engine
