@@ -112,6 +112,7 @@ def main():
     ap.add_argument("--Ts", default="1024,2048,4096,8192,16384")
     ap.add_argument("--quick", action="store_true", help="MHA rows only (no GQA / FoX rows)")
     ap.add_argument("--profile", action="store_true", help="also print our per-kernel times (stderr) per shape")
+    ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
     args = ap.parse_args()
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -186,7 +187,8 @@ def main():
             if HQ != H:
                 ks = ks.repeat_interleave(HQ // H, dim=1)
                 vs = vs.repeat_interleave(HQ // H, dim=1)
-            for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            baselines = () if args.ours_only else (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
+            for name, be in baselines:
                 try:
                     with sdpa_kernel(be):
                         r[name + "_f"] = do_bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
@@ -200,7 +202,7 @@ def main():
                         r[name + "_fb"] = do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=[qg, kg, vg])
                 except Exception as ex:  # noqa: BLE001
                     print(name, "failed:", ex)
-            if parallel_path_attn is not None:
+            if parallel_path_attn is not None and not args.ours_only:
                 try:
                     r["fla_f"] = do_bench(lambda: parallel_path_attn(q, k, v, w, beta, g=g), warmup=25, rep=100,
                                           return_mode="median")
@@ -265,7 +267,8 @@ def main():
         out, _ = parallel_path_attn(qg, kg, vg, wg, bg)
         out.backward(do)
 
-    for name, fn in (("cuDNN SDPA", mem_cudnn), ("FLA parallel_path_attn", mem_fla), ("ours (torch-allocated outputs)", mem_ours)):
+    mems = (("cuDNN SDPA", mem_cudnn), ("FLA parallel_path_attn", mem_fla), ("ours (torch-allocated outputs)", mem_ours))
+    for name, fn in mems[2:] if args.ours_only else mems:
         try:
             lines.append(f"| {name} | {peak(fn):.2f} |")
         except Exception as ex:  # noqa: BLE001

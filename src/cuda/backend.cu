@@ -30,6 +30,7 @@ struct Tables {
   std::vector<ChunkDesc> chunks;
   std::vector<int32_t> order;      // chunk indices, descending chunk index c (most scan work first)
   std::vector<int32_t> seq_first;  // each sequence's chunk 0
+  std::vector<int32_t> super_first;  // each full superblock's first chunk
   int max_chunks = 0;
 };
 
@@ -37,10 +38,12 @@ Tables build_tables(const core::Problem& pr) {
   Tables t;
   for (const core::Seq& s : pr.seqs) {
     const int nc = int((s.len + kChunk - 1) / kChunk);
-    const int first = int(t.chunks.size());
+    const int first = int(t.chunks.size()), sfirst = int(t.super_first.size());
     t.seq_first.push_back(first);
     t.max_chunks = std::max(t.max_chunks, nc);
-    for (int c = 0; c < nc; ++c) t.chunks.push_back({s.b, s.t0, int32_t(s.len), c, first, 0});
+    for (int c = 0; c < nc; ++c) t.chunks.push_back({s.b, s.t0, int32_t(s.len), c, first, sfirst});
+    const int nsuper = int(s.len / kChunk) / kSuperChunks;  // superblocks of kSuperChunks full chunks
+    for (int sb = 0; sb < nsuper; ++sb) t.super_first.push_back(first + sb * kSuperChunks);
   }
   t.order.resize(t.chunks.size());
   for (size_t i = 0; i < t.order.size(); ++i) t.order[i] = int32_t(i);
@@ -154,6 +157,7 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
+  PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
   PA_TRY(check_smem(smem_fwd_scan(int(pr.K), int(pr.V)), "forward"));
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
@@ -167,10 +171,25 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   Workspace ws(s);
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
+  // Two-level scan: superblock table, keys moved to their superblock's end, superblock products.
+  kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
+  if (kp.nsuper > 0) {
+    const size_t NT = size_t(pr.B) * pr.T;
+    int32_t* sf = nullptr;
+    PA_CU(ws.alloc(&sf, t.super_first.size()));
+    PA_CU(cudaMemcpyAsync(sf, t.super_first.data(), t.super_first.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    kp.super_first = sf;
+    __half* ks = nullptr;
+    PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
+    kp.ks = ks;
+    PA_CU(ws.alloc(&kp.ps, size_t(kp.nsuper) * pr.H * pr.K * pr.K));
+  }
   Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
   PA_CU(launch_chunk_prep(kp, dt, s));
   prof.mark("gate+chunk_prep");
+  PA_CU(launch_super_prep(kp, dt, s));
+  prof.mark("super_prep");
   PA_CU(launch_fwd_scan(kp, dt, s));
   prof.mark("fwd_scan");
   return Status::Ok();

@@ -1,44 +1,50 @@
-// cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), fp32 on CUDA cores. It recomputes the
-// UT transform of the chunk and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per
+// cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
+// accumulation; the products that rebuild A and W2 in split tf32, as in chunk_prep). It recomputes the UT
+// transform of the chunk and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per
 // query head dq~ and dA_loc) back through
 //   A = strict_lower(diag(b) W W^T), E = (I + A)^-1, W2 = E diag(b) W, Z = strict_lower(W K^T),
 //   U = E diag(b) Z, k~ = K - U^T W, P = I - W^T W2, X = tril_incl(Q W^T), q~ = Q - X W2,
 //   A_loc = tril_incl(Q K^T - X U)
 // to dq, dk, dw, dbeta (dE -> dA = -E^T dE E^T on the strict lower triangle), and sums dv.
-// Group sums run in a fixed order inside the CTA: deterministic.
+// The 64 x K gradients dW, dK, dW2 accumulate in registers (every product of one shape gives a thread the
+// same outputs: TcTile). Sums run in a fixed order inside the CTA: deterministic.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
 namespace pathattn::cuda {
 namespace {
 
-constexpr int kThreads = 256;  // 64 x K outputs: K / 4 owned accumulators per thread
+constexpr int kThreads = 256;
 
-// acc[i] += f(r, d) for the outputs this thread owns: idx = tid + i * kThreads, (r, d) = (idx / K, idx % K).
-template <int K, int R, class F>
-__device__ __forceinline__ void owned_acc(float (&acc)[R], F f) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    acc[i] += f(idx / K, idx % K);
-  }
-}
+template <int K>
+struct BwdChunkSmem {
+  static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
+  // Wf, W2f [64][LW] f32; Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
+  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit.
+  static constexpr size_t bytes =
+      sizeof(float) * (2 * size_t(kChunk) * LW + 6 * size_t(kChunk) * LC + 2 * kChunk) + 2 * 2 * size_t(kChunk) * LT;
+  static_assert(2 * kChunk * LC >= kChunk * LW, "Xs + dXs must hold a [64][K + 4] matrix");
+};
 
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
-  constexpr int LK = K + 1, LC = kChunk + 1, R = kChunk * K / kThreads;
+  using S = BwdChunkSmem<K>;
+  constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
+  using TK = TcTile<kChunk, K>;
   extern __shared__ float sm[];
   float* Wf = sm;
-  float* Kf = Wf + kChunk * LK;
-  float* W2f = Kf + kChunk * LK;
-  float* Zs = W2f + kChunk * LK;
+  float* W2f = Wf + kChunk * LW;
+  float* Zs = W2f + kChunk * LW;
   float* Es = Zs + kChunk * LC;
   float* Us = Es + kChunk * LC;
   float* dUs = Us + kChunk * LC;
   float* Xs = dUs + kChunk * LC;
-  float* dXs = Xs + kChunk * LC;  // Xs and dXs are adjacent: later reused as dW2 [64][K]
+  float* dXs = Xs + kChunk * LC;
   float* bs = dXs + kChunk * LC;
   float* dbs = bs + kChunk;
+  T* Ks = reinterpret_cast<T*>(dbs + kChunk);
+  T* Qs = Ks + kChunk * LT;
+  float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
   const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const ChunkDesc ch = p.chunks[ci];
@@ -47,130 +53,104 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   const T* kp = static_cast<const T*>(p.k);
   const T* qp = static_cast<const T*>(p.q);
 
-  float dWa[R], dKa[R], dW2a[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) dWa[i] = dKa[i] = dW2a[i] = 0.f;
+  typename TK::Acc dWa, dKa, dW2a;
+  TK::zero(dWa);
+  TK::zero(dKa);
+  TK::zero(dW2a);
 
   // ---- recompute the UT transform.
   for (int idx = tid; idx < kChunk * K; idx += kThreads) {
     const int r = idx / K, d = idx % K;
     const bool ok = r < nq;
-    Kf[r * LK + d] = ok ? to_f(kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f;
-    Wf[r * LK + d] = ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
+    Ks[r * LT + d] = ok ? kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d] : from_f<T>(0.f);
+    Wf[r * LW + d] = ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
   }
   if (tid < kChunk) {
     bs[tid] = tid < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
     dbs[tid] = 0.f;
   }
   __syncthreads();
-  block_mm(kChunk, kChunk, [&](int r, int k) { return Wf[r * LK + k]; }, [&](int k, int c) { return Wf[c * LK + k]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
-           [&](int r, int c, float s) { Xs[r * LC + c] = bs[r] * s; });
+  auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };
+  auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };
+  auto k_rk = [&](int r, int d) { return to_f(Ks[r * LT + d]); };
+  block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { Xs[r * LC + c] = c < r ? bs[r] * v : 0.f; });
   __syncthreads();
   unit_lower_inverse(Xs, LC, Es, LC);
   __syncthreads();
-  block_mm(kChunk, K, [&](int r, int s) { return Es[r * LC + s] * bs[s]; }, [&](int s, int d) { return Wf[s * LK + d]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = r + 1; },
-           [&](int r, int d, float s) { W2f[r * LK + d] = s; });
-  block_mm(kChunk, kChunk, [&](int r, int k) { return Wf[r * LK + k]; }, [&](int k, int c) { return Kf[c * LK + k]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
-           [&](int r, int c, float s) { Zs[r * LC + c] = s; });
+  block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? Es[r * LC + s] * bs[s] : 0.f; },
+                                       [&](int s, int d) { return Wf[s * LW + d]; },
+                                       [&](int r, int d, float v) { W2f[r * LW + d] = v; });
+  block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
+                                        [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; });
   __syncthreads();
-  block_mm(kChunk, kChunk, [&](int r, int t) { return Es[r * LC + t] * bs[t]; }, [&](int t, int c) { return Zs[t * LC + c]; },
-           [&](int r, int c, int& lo, int& hi) { lo = c + 1; hi = r + 1; },
-           [&](int r, int c, float s) {
-             Us[r * LC + c] = s;
-             dUs[r * LC + c] = 0.f;
-           });
+  block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
+                                             [&](int t, int c) { return Zs[t * LC + c]; },
+                                             [&](int r, int c, float v) { Us[r * LC + c] = v; });
+  // dk~ of the chunk (rows past the end: unwritten there, zero here) staged over Xs / dXs.
+  {
+    const float* dkt = p.dkt + (tok0 * p.H + h) * K;
+    const int64_t ld = int64_t(p.H) * K;
+    for (int idx = tid; idx < kChunk * K; idx += kThreads) {
+      const int j = idx / K, a = idx % K;
+      Big[j * LW + a] = j < nq ? dkt[j * ld + a] : 0.f;
+    }
+  }
   __syncthreads();
 
-  // ---- gradients of the chunk product (dP) and of the chunk-end keys (dk~).
+  // ---- gradients of the chunk product (D = dP) and of the chunk-end keys (dk~).
   const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
-  const float* dkt = p.dkt + (tok0 * p.H + h) * K;
-  const int64_t dkt_ld = int64_t(p.H) * K;
-  auto dKt = [&](int j, int a) { return j < nq ? dkt[j * dkt_ld + a] : 0.f; };  // rows past the end: unwritten
-  owned_acc<K>(dW2a, [&](int r, int d) {
-    float s = 0.f;
-    for (int a = 0; a < K; ++a) s = fmaf(Wf[r * LK + a], Dm[a * K + d], s);
-    return -s;
-  });
-  {
-    // dW += -W2 D^T: lanes run over rows r so that D[a][.] is a broadcast; staged in Xs/dXs as [a][65].
-    float* T1 = Xs;
-    for (int idx = tid; idx < kChunk * K; idx += kThreads) {
-      const int r = idx % kChunk, a = idx / kChunk;
-      float s = 0.f;
-      for (int b = 0; b < K; ++b) s = fmaf(W2f[r * LK + b], Dm[a * K + b], s);
-      T1[a * LC + r] = s;
-    }
-    // dU += -W dk~^T (strict lower), lanes over rows r: dk~[j][.] is a broadcast.
-    for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
-      const int r = idx % kChunk, j = idx / kChunk;
-      if (j >= r) continue;
-      float s = 0.f;
-      for (int a = 0; a < K; ++a) s = fmaf(Wf[r * LK + a], dKt(j, a), s);
-      dUs[r * LC + j] -= s;
-    }
-    __syncthreads();
-    owned_acc<K>(dWa, [&](int r, int a) {
-      float u = 0.f;
-      for (int j = 0; j < r; ++j) u = fmaf(Us[r * LC + j], dKt(j, a), u);
-      return -T1[a * LC + r] - u;
-    });
-    owned_acc<K>(dKa, [&](int r, int d) { return dKt(r, d); });
-  }
+  auto dKt = [&](int j, int a) { return Big[j * LW + a]; };
+  // dW2 -= W D.
+  mma_tc_acc<kChunk, K, K, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
+  // dW -= W2 D^T + U dk~  (one product over the stacked inner dimension).
+  mma_tc_acc<kChunk, K, K + kChunk, false>(
+      dWa, [&](int r, int k) { return k < K ? W2f[r * LW + k] : Us[r * LC + k - K]; },
+      [&](int k, int a) { return k < K ? -Dm[a * K + k] : -dKt(k - K, a); });
+  // dU = -W dk~^T (strict lower).
+  block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int j) { return dKt(j, k); },
+                                        [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; });
+  TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
 
   // ---- per query head: dq, and the X / A_loc terms.
   T* dqp = static_cast<T*>(p.dq);
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-    const T* qrow = qp + ch.b * p.q_s[0] + pos0 * p.q_s[1] + hq * p.q_s[2];
-    auto Q = [&](int r, int d) { return r < nq ? to_f(qrow[r * p.q_s[1] + d]) : 0.f; };
+    __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
+    for (int idx = tid; idx < kChunk * K; idx += kThreads) {
+      const int r = idx / K, d = idx % K;
+      Qs[r * LT + d] = r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f);
+    }
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
     const int64_t dq_ld = int64_t(p.HQ) * K;
     auto dQt = [&](int r, int d) { return r < nq ? dq_t[r * dq_ld + d] : 0.f; };
     const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
     const int64_t dal_ld = int64_t(p.HQ) * kChunk;
     auto dAl = [&](int r, int c) { return r < nq ? dal[r * dal_ld + c] : 0.f; };
+    auto q_rk = [&](int r, int d) { return to_f(Qs[r * LT + d]); };
     __syncthreads();
-    block_mm(kChunk, kChunk, Q, [&](int d, int s) { return Wf[s * LK + d]; },
-             [&](int r, int s, int& lo, int& hi) { lo = 0; hi = s <= r ? K : 0; },
-             [&](int r, int s, float v) { Xs[r * LC + s] = v; });
-    for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
-      const int r = idx / kChunk, s = idx % kChunk;
-      float v = 0.f;
-      if (s <= r && r < nq) {
-        for (int d = 0; d < K; ++d) v = fmaf(dQt(r, d), W2f[s * LK + d], v);
-        for (int t = 0; t < s; ++t) v = fmaf(dAl(r, t), Us[s * LC + t], v);
-        v = -v;
-      }
-      dXs[r * LC + s] = v;
-    }
+    // X = tril_incl(Q W^T) -> Xs.
+    block_mm_tc<kChunk, kChunk, K, false>(q_rk, w_kc, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; });
+    // dX = -(dq~ W2^T + dA_loc U^T) on the lower triangle -> dXs.
+    block_mm_tc<kChunk, kChunk, K + kChunk, false>(
+        [&](int r, int k) { return k < K ? dQt(r, k) : dAl(r, k - K); },
+        [&](int k, int s) { return k < K ? W2f[s * LW + k] : Us[s * LC + k - K]; },
+        [&](int r, int s, float v) { dXs[r * LC + s] = s <= r && r < nq ? -v : 0.f; });
     __syncthreads();
-    for (int idx = tid; idx < nq * K; idx += kThreads) {
-      const int r = idx / K, d = idx % K;
-      float v = dQt(r, d);
-      for (int c = 0; c <= r; ++c) v = fmaf(dAl(r, c), Kf[c * LK + d], v);
-      for (int s = 0; s <= r; ++s) v = fmaf(dXs[r * LC + s], Wf[s * LK + d], v);
-      dqp[ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d] = from_f<T>(v);
-    }
-    owned_acc<K>(dKa, [&](int c, int d) {
-      float v = 0.f;
-      for (int r = c; r < nq; ++r) v = fmaf(dAl(r, c), Q(r, d), v);
-      return v;
-    });
-    owned_acc<K>(dWa, [&](int s, int d) {
-      float v = 0.f;
-      for (int r = s; r < nq; ++r) v = fmaf(dXs[r * LC + s], Q(r, d), v);
-      return v;
-    });
-    owned_acc<K>(dW2a, [&](int s, int d) {
-      float v = 0.f;
-      for (int r = s; r < nq; ++r) v = fmaf(Xs[r * LC + s], dQt(r, d), v);
-      return -v;
-    });
-    block_mm(kChunk, kChunk, [&](int t, int r) { return Xs[r * LC + t]; }, dAl,
-             [&](int t, int c, int& lo, int& hi) { lo = t; hi = c < t ? nq : 0; },
-             [&](int t, int c, float v) { dUs[t * LC + c] -= v; });
+    // dq = dq~ + dA_loc K + dX W.
+    block_mm_tc<kChunk, K, 2 * kChunk, false>(
+        [&](int r, int k) { return k < kChunk ? dAl(r, k) : dXs[r * LC + k - kChunk]; },
+        [&](int k, int d) { return k < kChunk ? k_rk(k, d) : Wf[(k - kChunk) * LW + d]; },
+        [&](int r, int d, float v) {
+          if (r < nq) dqp[ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d] = from_f<T>(dQt(r, d) + v);
+        });
+    // dK += dA_loc^T Q;  dW += dX^T Q;  dW2 -= X^T dq~.
+    mma_tc_acc<kChunk, K, kChunk, false>(dKa, [&](int c, int r) { return dAl(r, c); }, q_rk);
+    mma_tc_acc<kChunk, K, kChunk, false>(dWa, [&](int s, int r) { return dXs[r * LC + s]; }, q_rk);
+    mma_tc_acc<kChunk, K, kChunk, false>(dW2a, [&](int s, int r) { return -Xs[r * LC + s]; }, dQt);
+    // dU -= X^T dA_loc (strict lower).
+    block_mm_tc<kChunk, kChunk, kChunk, false>([&](int t, int r) { return Xs[r * LC + t]; }, dAl,
+                                               [&](int t, int c, float v) {
+                                                 if (c < t) dUs[t * LC + c] -= v;
+                                               });
   }
   __syncthreads();
 
@@ -184,36 +164,18 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
 
   // ---- through the UT transform.
-  float* dW2s = Xs;  // [64][K], Xs and dXs are free now
-#pragma unroll
-  for (int i = 0; i < R; ++i) dW2s[tid + i * kThreads] = dW2a[i];
+  float* dW2s = W2f;  // W2 is not read any more
+  TK::each(dW2a, [&](int r, int d, float& v) { dW2s[r * LW + d] = v; });
   __syncthreads();
-  // dE (lower incl.) = dU Zb^T + dW2 Wb^T  -> Us
-  for (int idx = tid; idx < kChunk * kChunk; idx += kThreads) {
-    const int r = idx / kChunk, s = idx % kChunk;
-    float v = 0.f;
-    if (s <= r) {
-      for (int c = 0; c < s; ++c) v = fmaf(dUs[r * LC + c], Zs[s * LC + c], v);
-      for (int d = 0; d < K; ++d) v = fmaf(dW2s[r * K + d], Wf[s * LK + d], v);
-      v *= bs[s];
-    }
-    Us[r * LC + s] = v;
-  }
-  __syncthreads();
-  // dZb = E^T dU in place: column c by 4 lanes, rows top-down (row t reads rows >= t only).
-  {
-    const int c = tid >> 2, part = tid & 3;
-    for (int t = 0; t < kChunk; ++t) {
-      float v = 0.f;
-      if (t > c)
-        for (int r = t + part; r < kChunk; r += 4) v = fmaf(Es[r * LC + t], dUs[r * LC + c], v);
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      __syncwarp();  // every lane has read row t of column c before lane 0 overwrites it
-      if (part == 0) dUs[t * LC + c] = t > c ? v : 0.f;
-      __syncwarp();
-    }
-  }
+  // dE (lower incl.) = (dU Zb^T + dW2 Wb^T) -> Us.
+  block_mm_tc<kChunk, kChunk, kChunk + K, false>(
+      [&](int r, int k) { return k < kChunk ? dUs[r * LC + k] : dW2s[r * LW + k - kChunk]; },
+      [&](int k, int s) { return k < kChunk ? Zs[s * LC + k] : Wf[s * LW + k - kChunk]; },
+      [&](int r, int s, float v) { Us[r * LC + s] = s <= r ? v * bs[s] : 0.f; });
+  // dZb = E^T dU, in place (strict lower).
+  block_mm_tc<kChunk, kChunk, kChunk, false>([&](int t, int r) { return Es[r * LC + t]; },
+                                             [&](int r, int c) { return dUs[r * LC + c]; },
+                                             [&](int t, int c, float v) { dUs[t * LC + c] = t > c ? v : 0.f; });
   __syncthreads();
   if (tid < kChunk) {
     const int t = tid;
@@ -221,72 +183,62 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     for (int c = 0; c < t; ++c) v = fmaf(dUs[t * LC + c], Zs[t * LC + c], v);
     dbs[t] += v;
   }
-  owned_acc<K>(dWa, [&](int r, int d) {
-    float v = 0.f;
-    for (int c = 0; c < r; ++c) v = fmaf(dUs[r * LC + c], Kf[c * LK + d], v);
-    return bs[r] * v;
-  });
-  owned_acc<K>(dKa, [&](int c, int d) {
-    float v = 0.f;
-    for (int r = c + 1; r < kChunk; ++r) v = fmaf(bs[r] * dUs[r * LC + c], Wf[r * LK + d], v);
-    return v;
-  });
+  // dW += diag(b) dZb K;  dK += dZb^T diag(b) W.
+  mma_tc_acc<kChunk, K, kChunk, false>(dWa, [&](int r, int c) { return bs[r] * dUs[r * LC + c]; }, k_rk);
+  mma_tc_acc<kChunk, K, kChunk, false>(dKa, [&](int c, int r) { return bs[r] * dUs[r * LC + c]; },
+                                       [&](int r, int d) { return Wf[r * LW + d]; });
+  // dWb = E^T dW2 -> Big;  M1 = dE E^T -> Zs (Z is not read any more once dbs above is done).
+  block_mm_tc<kChunk, K, kChunk, false>([&](int s, int r) { return Es[r * LC + s]; },
+                                        [&](int r, int d) { return dW2s[r * LW + d]; },
+                                        [&](int s, int d, float v) { Big[s * LW + d] = v; });
+  block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int s) { return Us[r * LC + s]; },
+                                             [&](int s, int c) { return Es[c * LC + s]; },
+                                             [&](int r, int c, float v) { Zs[r * LC + c] = v; });
   __syncthreads();
-  // dWb = E^T dW2 -> Kf; M1 = dE E^T -> Zs.
-  float* dWb = Kf;
-  block_mm(kChunk, K, [&](int s, int r) { return Es[r * LC + s]; }, [&](int r, int d) { return dW2s[r * K + d]; },
-           [&](int s, int d, int& lo, int& hi) { lo = s; hi = kChunk; },
-           [&](int s, int d, float v) { dWb[s * LK + d] = v; });
-  block_mm(kChunk, kChunk, [&](int r, int s) { return Us[r * LC + s]; }, [&](int s, int c) { return Es[c * LC + s]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = min(r, c) + 1; },
-           [&](int r, int c, float v) { Zs[r * LC + c] = v; });
-  __syncthreads();
-  owned_acc<K>(dWa, [&](int s, int d) { return bs[s] * dWb[s * LK + d]; });
+  TK::each(dWa, [&](int s, int d, float& v) { v += bs[s] * Big[s * LW + d]; });
   if (tid < kChunk) {
     float v = 0.f;
-    for (int d = 0; d < K; ++d) v = fmaf(dWb[tid * LK + d], Wf[tid * LK + d], v);
+    for (int d = 0; d < K; ++d) v = fmaf(Big[tid * LW + d], Wf[tid * LW + d], v);
     dbs[tid] += v;
   }
   // dA = -E^T M1 (strict lower) -> dUs.
-  block_mm(kChunk, kChunk, [&](int a, int r) { return Es[r * LC + a]; }, [&](int r, int c) { return Zs[r * LC + c]; },
-           [&](int a, int c, int& lo, int& hi) { lo = a; hi = c < a ? kChunk : a; },
-           [&](int a, int c, float v) { dUs[a * LC + c] = c < a ? -v : 0.f; });
+  block_mm_tc<kChunk, kChunk, kChunk, false>([&](int a, int r) { return Es[r * LC + a]; },
+                                             [&](int r, int c) { return Zs[r * LC + c]; },
+                                             [&](int a, int c, float v) { dUs[a * LC + c] = c < a ? -v : 0.f; });
+  __syncthreads();
+  // dbeta_a += sum_c dA[a][c] (w_a . w_c): the Gram products into Zs, then fixed-order row sums.
+  block_mm_tc<kChunk, kChunk, K, false>(w_rk, w_kc, [&](int a, int c, float v) { Zs[a * LC + c] = dUs[a * LC + c] * v; });
+  // dW += (diag(b) dA + dA^T diag(b)) W.
+  mma_tc_acc<kChunk, K, kChunk, false>(
+      dWa,
+      [&](int r, int c) {
+        return (c < r ? bs[r] * dUs[r * LC + c] : 0.f) + (r < c ? bs[c] * dUs[c * LC + r] : 0.f);
+      },
+      [&](int c, int d) { return Wf[c * LW + d]; });
   __syncthreads();
   if (tid < kChunk) {
-    const int a = tid;
     float v = 0.f;
-    for (int c = 0; c < a; ++c) {
-      float gm = 0.f;
-      for (int d = 0; d < K; ++d) gm = fmaf(Wf[a * LK + d], Wf[c * LK + d], gm);
-      v = fmaf(dUs[a * LC + c], gm, v);
-    }
-    dbs[a] += v;
+    for (int c = 0; c < tid; ++c) v += Zs[tid * LC + c];
+    dbs[tid] += v;
   }
-  owned_acc<K>(dWa, [&](int r, int d) {
-    float v = 0.f;
-    for (int c = 0; c < kChunk; ++c) {
-      const float dg = (c < r ? bs[r] * dUs[r * LC + c] : 0.f) + (r < c ? bs[c] * dUs[c * LC + r] : 0.f);
-      v = fmaf(dg, Wf[c * LK + d], v);
-    }
-    return v;
-  });
   __syncthreads();
 
   // ---- outputs.
   T* dkp = static_cast<T*>(p.dk);
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int idx = tid + i * kThreads, r = idx / K, d = idx % K;
-    if (r >= nq) continue;
-    dkp[ch.b * p.dk_s[0] + (pos0 + r) * p.dk_s[1] + h * p.dk_s[2] + d] = from_f<T>(dKa[i]);
-    if (p.path) p.dw[ch.b * p.dw_s[0] + (pos0 + r) * p.dw_s[1] + h * p.dw_s[2] + d] = dWa[i];
+  TK::each(dKa, [&](int r, int d, float& v) {
+    if (r < nq) dkp[ch.b * p.dk_s[0] + (pos0 + r) * p.dk_s[1] + h * p.dk_s[2] + d] = from_f<T>(v);
+  });
+  if (p.path) {
+    TK::each(dWa, [&](int r, int d, float& v) {
+      if (r < nq) p.dw[ch.b * p.dw_s[0] + (pos0 + r) * p.dw_s[1] + h * p.dw_s[2] + d] = v;
+    });
+    if (tid < nq) p.dbeta[ch.b * p.dbeta_s[0] + (pos0 + tid) * p.dbeta_s[1] + h * p.dbeta_s[2]] = dbs[tid];
   }
-  if (p.path && tid < nq) p.dbeta[ch.b * p.dbeta_s[0] + (pos0 + tid) * p.dbeta_s[1] + h * p.dbeta_s[2]] = dbs[tid];
 }
 
 template <typename T, int K>
 cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
-  const size_t smem = smem_bwd_chunk(K);
+  const size_t smem = BwdChunkSmem<K>::bytes;
   auto kern = bwd_chunk_kernel<T, K>;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
@@ -296,9 +248,7 @@ cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
 
 }  // namespace
 
-size_t smem_bwd_chunk(int K) {
-  return sizeof(float) * (3 * size_t(kChunk) * (K + 1) + 6 * size_t(kChunk) * (kChunk + 1) + 2 * kChunk);
-}
+size_t smem_bwd_chunk(int K) { return K == 64 ? BwdChunkSmem<64>::bytes : BwdChunkSmem<128>::bytes; }
 
 cudaError_t launch_bwd_chunk(const KernelParams& p, int dtype, cudaStream_t s) {
   if (dtype == 0) return p.K == 64 ? run_t<__half, 64>(p, s) : run_t<__half, 128>(p, s);

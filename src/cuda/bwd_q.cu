@@ -227,10 +227,20 @@ struct BwdQ {
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4 + (e & 1);
-                if (p.deterministic) dPk[a * K + b] += d[mt][nt][e];
-                else atomicAdd(dPk + a * K + b, d[mt][nt][e]);
+              for (int e = 0; e < 4; e += 2) {  // two adjacent columns per lane: one float2 atomic (sm_90)
+                const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4;
+                float* dst = dPk + a * K + b;
+                if (p.deterministic) {
+                  dst[0] += d[mt][nt][e];
+                  dst[1] += d[mt][nt][e + 1];
+                } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(d[mt][nt][e], d[mt][nt][e + 1]));
+#else
+                  atomicAdd(dst, d[mt][nt][e]);
+                  atomicAdd(dst + 1, d[mt][nt][e + 1]);
+#endif
+                }
               }
         }
         // dX = gbar W2^T (own rows) -> dXs.

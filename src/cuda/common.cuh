@@ -235,6 +235,101 @@ __device__ __forceinline__ void block_mm(int M, int N, FA a, FB b, FK krange, FO
   }
 }
 
+// Block-level tf32 tensor-core products for the chunk kernels (blockDim.x == 256, 8 warps), M x N outputs
+// (M, N multiples of 16), inner dimension KD (multiple of 8). Operands come from accessor functions a(r, k)
+// and b(k, c) (shared or global memory, masks folded in, so triangular products pass zeros through the
+// accessors). kX3 splits every operand into a tf32 head and a tf32 tail and sums three products
+// (head*head + head*tail + tail*head): about fp32 accuracy at three times the work, for the products that
+// feed the triangular inverse. Warp tiling (TcTile): M / 16 m-tiles over min(M / 16, 8) warps; the
+// remaining warp factor splits N. A thread owns the same outputs in every product of the same M x N, so
+// several products can accumulate into one register fragment (mma_tc_acc).
+template <int M, int N>
+struct TcTile {
+  static constexpr int MTILES = M / 16, WM = MTILES < 8 ? MTILES : 8, WN = 8 / WM, MPW = MTILES / WM;
+  static constexpr int NTW = N / (8 * WN);
+  static_assert(MTILES % WM == 0 && N % (8 * WN) == 0, "TcTile: unsupported tile shape");
+  using Acc = float[MPW][NTW][4];
+  // f(r, c, value&) for every output this thread owns.
+  template <class F>
+  __device__ static __forceinline__ void each(Acc& acc, F f) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp % WM, wn = warp / WM;
+#pragma unroll
+    for (int mi = 0; mi < MPW; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) {
+        const int r = 16 * (wm + WM * mi) + g, c = 8 * (wn * NTW + nt) + 2 * t;
+        f(r, c, acc[mi][nt][0]);
+        f(r, c + 1, acc[mi][nt][1]);
+        f(r + 8, c, acc[mi][nt][2]);
+        f(r + 8, c + 1, acc[mi][nt][3]);
+      }
+  }
+  __device__ static __forceinline__ void zero(Acc& acc) {
+    each(acc, [](int, int, float& v) { v = 0.f; });
+  }
+};
+
+// acc += A B over this thread's outputs (no synchronisation).
+template <int M, int N, int KD, bool kX3, class FA, class FB>
+__device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a, FB b) {
+  using TT = TcTile<M, N>;
+  constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wm = warp % WM, wn = warp / WM;
+  auto split = [](float x, uint32_t& hi, uint32_t& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+  };
+#pragma unroll 4
+  for (int k0 = 0; k0 < KD; k0 += 8) {
+    uint32_t ah[MPW][4], al[MPW][4];
+#pragma unroll
+    for (int mi = 0; mi < MPW; ++mi) {
+      const int m = 16 * (wm + WM * mi) + g;
+      const float av[4] = {a(m, k0 + t), a(m + 8, k0 + t), a(m, k0 + t + 4), a(m + 8, k0 + t + 4)};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (kX3) split(av[e], ah[mi][e], al[mi][e]);
+        else ah[mi][e] = to_tf32(av[e]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int n = 8 * (wn * NTW + nt) + g;
+      const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
+      uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
+      if (kX3) {
+        split(b0, bh0, bl0);
+        split(b1, bh1, bl1);
+      } else {
+        bh0 = to_tf32(b0);
+        bh1 = to_tf32(b1);
+      }
+#pragma unroll
+      for (int mi = 0; mi < MPW; ++mi) {
+        if (kX3) {
+          mma1688_tf32(acc[mi][nt], al[mi], bh0, bh1);
+          mma1688_tf32(acc[mi][nt], ah[mi], bl0, bl1);
+        }
+        mma1688_tf32(acc[mi][nt], ah[mi], bh0, bh1);
+      }
+    }
+  }
+}
+
+// out(r, c, sum_k a(r, k) b(k, c)) for every output. Every warp finishes reading before any `out` runs (one
+// __syncthreads in between), so `out` may overwrite the operands. Callers sync before the next read.
+template <int M, int N, int KD, bool kX3, class FA, class FB, class FO>
+__device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
+  using TT = TcTile<M, N>;
+  typename TT::Acc acc;
+  TT::zero(acc);
+  mma_tc_acc<M, N, KD, kX3>(acc, a, b);
+  __syncthreads();
+  TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
+}
+
 // Column-wise triangular solves for the 64 x 64 chunk matrices, 4 lanes per column (blockDim.x == 256):
 // the 4 lanes split each dot product and reduce with shuffles, so the serial chain is 4x shorter than one
 // thread per column. Every lane runs the same trip count (shuffles need the whole warp).

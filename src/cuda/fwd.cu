@@ -1,6 +1,8 @@
 // cuda/fwd.cu: the forward scan. One CTA per (query chunk, query head): the diagonal chunk from the
-// precomputed A_loc, then key chunks right to left with an online softmax; between key chunks the query
-// tile (fp32 in registers) is moved across the chunk: qt <- qt - (qt W^T) W2 (fp16 operands, fp32 accum).
+// precomputed A_loc, then key chunks right to left with an online softmax. Two-level transport
+// (ALGORITHMS.md section 4): within the query's own superblock the query tile (fp32 in registers) is moved
+// across each chunk, qt <- qt - (qt W^T) W2; beyond it the keys come pre-moved to the end of their
+// superblock (ks) and the query crosses a whole superblock at once, qt <- qt PS (fp16 operands, fp32 accum).
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -66,13 +68,20 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
   const T* vp = static_cast<const T*>(p.v);
   const T* ktp = static_cast<const T*>(p.kt);
 
+  // Superblocks: chunks [first, qc) are crossed one by one; chunks below `first` are read as ks and crossed
+  // a superblock at a time (PaTH only: plain attention has nothing to transport).
+  const int first = p.path ? (qc / kSuperChunks) * kSuperChunks : 0;
+  const T* ksp = static_cast<const T*>(p.ks);
   auto load_chunk = [&](int kc, int st, int nvalid) {
     const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
     const int64_t pos = ch.t0 + int64_t(kc) * kChunk;
-    load_tile_async<K>(Ks + st * kChunk * LK, ktp + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+    const bool far = kc < first;
+    load_tile_async<K>(Ks + st * kChunk * LK, (far ? ksp : ktp) + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
     load_tile_async<V>(Vs + st * kChunk * LV, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], nvalid);
-    load_tile_async<K>(Ws + st * kChunk * LK, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
-    load_tile_async<K>(W2s + st * kChunk * LK, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+    if (p.path && !far) {
+      load_tile_async<K>(Ws + st * kChunk * LK, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+      load_tile_async<K>(W2s + st * kChunk * LK, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
+    }
     cp_async_commit();
     for (int j = threadIdx.x; j < kChunk; j += blockDim.x)
       Gk[st * kChunk + j] = (p.gate && j < nvalid) ? p.G[(tok + j) * p.HQ + hq] : 0.f;
@@ -125,6 +134,13 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
     const int st = (qc - kc) & 1;
     cp_async_wait_all();
     __syncthreads();
+    // Entering far superblock sb > 0: fetch its product into the w region (both stages, K x (K + 8) halves),
+    // free since the last chunk-level transport; it is used after the superblock's last chunk.
+    const bool far = kc < first;
+    if (far && kc % kSuperChunks == kSuperChunks - 1 && kc >= kSuperChunks) {
+      const __half* src = p.ps + (int64_t(ch.sfirst + kc / kSuperChunks) * p.H + h) * K * K;
+      for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, src + r0 * K, K, kChunk);
+    }
     if (kc > 0) load_chunk(kc - 1, st ^ 1, kChunk);
     const T* Kst = Ks + st * kChunk * LK;
     const T* Vst = Vs + st * kChunk * LV;
@@ -145,11 +161,19 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
       o[nt][3] *= alpha[1];
     }
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
-    if (kc > 0) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
+    if (p.path && kc > 0 && !far) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
       float x[8][4];
       zero_acc(x);
       warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws + st * kChunk * LK, LK, 0);
       warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s + st * kChunk * LK, LK, 0);
+    } else if (far && kc > 0 && kc % kSuperChunks == 0) {  // across superblock kc / kSuperChunks: qt <- qt PS
+      float y[K / 8][4];
+      zero_acc(y);
+      warp_mma_rs<__half, K / 16, K / 8, true>(y, qt, 1.f, Ws, LK, 0);
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qt[nt][e] = y[nt][e];
     }
   }
   // Finalise: o / l, lse = (m + log2 l) ln 2.

@@ -12,6 +12,10 @@ namespace pathattn::cuda {
 // Chunk size C of the UT transform and the query/key tile of every kernel. 64 rows make one mma tile of
 // 4 warps x 16 rows, and keep the fp32 chunk kernels within the shared memory of an A100 at K = 128.
 inline constexpr int kChunk = 64;
+// Chunks per superblock of the forward's two-level scan (ALGORITHMS.md section 4): keys beyond the query's
+// own superblock are pre-moved to the end of their superblock and the query crosses a whole superblock
+// with one dense K x K product.
+inline constexpr int kSuperChunks = 8;
 
 // One chunk of one sequence. Token index tok = b * T + t0 + c * kChunk + r addresses the workspace.
 struct ChunkDesc {
@@ -20,7 +24,7 @@ struct ChunkDesc {
   int32_t len;  // sequence length
   int32_t c;    // chunk index within the sequence
   int32_t first;  // index (in the chunk table) of the sequence's chunk 0
-  int32_t pad;
+  int32_t sfirst;  // index (in the superblock table) of the sequence's superblock 0
 };
 
 struct KernelParams {
@@ -52,6 +56,9 @@ struct KernelParams {
   // Chunk table (device) and the order in which the scan kernels take chunks (most work first).
   const ChunkDesc* chunks;
   const int32_t* order;
+  // Full superblocks (kSuperChunks complete chunks): the chunk-table index of each one's first chunk.
+  const int32_t* super_first;
+  int nsuper;
 
   // Workspace, contiguous, token-major (NT = B * T tokens).
   __half* w16;      // [NT, H, K]   w in fp16 (transport operand)
@@ -60,6 +67,8 @@ struct KernelParams {
   float* qtl;       // [NT, HQ, K]  queries moved to their chunk's start (fp32)
   float* aloc;      // [NT, HQ, C]  diagonal-chunk logits (unscaled); backward: scale * dS of the diagonal
   float* G;         // [NT, HQ]     inclusive gate cumsum (gate only)
+  void* ks;         // [NT, H, K]   keys moved to the end of their superblock (full superblocks), dtype of k
+  __half* ps;       // [nsuper, H, K, K] superblock products P_last ... P_first, fp16 (forward only)
   // Backward workspace.
   float* delta;     // [NT, HQ]     rowsum(dO * O)
   float* dqt;       // [NT, HQ, K]  gradient w.r.t. the chunk-start queries

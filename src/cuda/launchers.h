@@ -11,6 +11,8 @@ namespace pathattn::cuda {
 // dtype code of q/k/v: 0 = fp16, 1 = bf16.
 // Per (chunk, kv head): UT transform in fp32; writes w16, w2h, kt and per query head qtl, aloc.
 cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s);
+// Per (full superblock, kv head): keys moved to the superblock's end (ks) and the superblock product (ps).
+cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s);
 // Per (sequence, query head): G = inclusive cumsum of g.
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);
 // Forward scan: per (query chunk, query head), keys right to left; writes o and lse.
@@ -32,6 +34,7 @@ int bwd_k_max_grid(const KernelParams& p, int dtype);
 // Dynamic shared memory each kernel asks for (for the "device too small" check).
 size_t smem_fwd_scan(int K, int V);
 size_t smem_chunk_prep(int K);
+size_t smem_super_prep(int K);
 size_t smem_bwd_q(int K, int V);
 size_t smem_bwd_k(int K, int V);
 size_t smem_bwd_chunk(int K);

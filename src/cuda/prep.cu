@@ -1,5 +1,6 @@
-// cuda/prep.cu: the O(T C K) kernels around the scans: the per-chunk UT transform (fp32 on CUDA cores,
-// ALGORITHMS.md section 2), the gate cumsum, the backward's delta and the final dg reverse cumsum.
+// cuda/prep.cu: the O(T C K) kernels around the scans: the per-chunk UT transform (tf32 tensor cores,
+// ALGORITHMS.md section 2), the superblock products of the forward's two-level scan, the gate cumsum, the
+// backward's delta and the final dg reverse cumsum.
 // Shapes follow kernel_params.h; C = kChunk = 64.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
@@ -13,23 +14,33 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
   return min(kChunk, ch.len - ch.c * kChunk);
 }
 
-// Per (chunk, kv head h), fp32 in shared memory:
+// Per (chunk, kv head h), on tensor cores (tf32 mma, fp32 accumulation; A and W2 in split tf32, i.e. about
+// fp32 accuracy, because they feed the triangular inverse; the inverse itself in fp32 on CUDA cores):
 //   A = strict_lower(diag(b) W W^T); E = (I + A)^-1; W2 = E diag(b) W; Z = strict_lower(W K^T);
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, and qtl (fp32), aloc (fp32) per query head.
-// smem: Wf, Kf, W2f, Qf [64][K+1] and R1, R2 [64][65] fp32 (165 KB at K = 128, fits sm_80's 163 KiB).
+// q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
+// 68 keep the mma fragment loads free of bank conflicts in both the [row][k] and the [k][col] patterns.
+template <int K>
+struct PrepSmem {
+  static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
+  static constexpr size_t bytes =
+      sizeof(float) * (2 * size_t(kChunk) * LW + 2 * size_t(kChunk) * LC + kChunk) + 2 * 2 * size_t(kChunk) * LT;
+};
+
 template <typename T, int K>
 __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p) {
+  using S = PrepSmem<K>;
+  constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   extern __shared__ float sm[];
-  constexpr int LK = K + 1, LC = kChunk + 1;
   float* Wf = sm;
-  float* Kf = Wf + kChunk * LK;
-  float* W2f = Kf + kChunk * LK;
-  float* Qf = W2f + kChunk * LK;
-  float* R1 = Qf + kChunk * LK;
+  float* W2f = Wf + kChunk * LW;
+  float* R1 = W2f + kChunk * LW;
   float* R2 = R1 + kChunk * LC;
   float* bs = R2 + kChunk * LC;
+  T* Ks = reinterpret_cast<T*>(bs + kChunk);
+  T* Qs = Ks + kChunk * LT;
 
   const ChunkDesc ch = p.chunks[blockIdx.x];
   const int h = blockIdx.y, nq = chunk_rows(ch), tid = threadIdx.x;
@@ -40,87 +51,125 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
   for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
     const int r = idx / K, d = idx % K;
     const bool ok = r < nq;
-    Kf[r * LK + d] = ok ? to_f(kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f;
-    Wf[r * LK + d] = ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
+    Ks[r * LT + d] = ok ? kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d] : from_f<T>(0.f);
+    Wf[r * LW + d] = ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
   }
   if (tid < kChunk) {
     const int r = tid;
     bs[r] = r < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
   }
   __syncthreads();
-  // A -> R1 (strict lower).
-  block_mm(kChunk, kChunk, [&](int r, int k) { return Wf[r * LK + k]; }, [&](int k, int c) { return Wf[c * LK + k]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
-           [&](int r, int c, float s) { R1[r * LC + c] = bs[r] * s; });
+  auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };   // W as the left operand
+  auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };   // W^T as the right operand
+  // A -> R1 (strict lower), split tf32.
+  block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { R1[r * LC + c] = c < r ? bs[r] * v : 0.f; });
   __syncthreads();
-  // E = (I + A)^-1 -> R2.
+  // E = (I + A)^-1 -> R2 (fp32).
   unit_lower_inverse(R1, LC, R2, LC);
   __syncthreads();
-  // W2 = E diag(b) W; Z = strict_lower(W K^T) -> R1.
-  block_mm(kChunk, K, [&](int r, int s) { return R2[r * LC + s] * bs[s]; }, [&](int s, int d) { return Wf[s * LK + d]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = r + 1; },
-           [&](int r, int d, float s) { W2f[r * LK + d] = s; });
-  block_mm(kChunk, kChunk, [&](int r, int k) { return Wf[r * LK + k]; }, [&](int k, int c) { return Kf[c * LK + k]; },
-           [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c < r ? K : 0; },
-           [&](int r, int c, float s) { R1[r * LC + c] = s; });
+  // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
+  block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
+      [&](int s, int d) { return Wf[s * LW + d]; }, [&](int r, int d, float v) { W2f[r * LW + d] = v; });
+  block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
+                                     [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; });
   __syncthreads();
-  // U = E diag(b) Z in place: column c by 4 lanes, rows bottom-up (row r reads Z rows <= r only).
-  {
-    const int c = tid >> 2, part = tid & 3;
-    for (int r = kChunk - 1; r >= 1; --r) {
-      float s = 0.f;
-      if (r > c)
-        for (int t = c + 1 + part; t <= r; t += 4) s = fmaf(R2[r * LC + t] * bs[t], R1[t * LC + c], s);
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      __syncwarp();  // every lane has read row r of column c before lane 0 overwrites it
-      if (r > c && part == 0) R1[r * LC + c] = s;
-      __syncwarp();
-    }
-  }
+  // U = E diag(b) Z, in place in R1 (strict lower).
+  block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int t) { return t <= r ? R2[r * LC + t] * bs[t] : 0.f; },
+      [&](int t, int c) { return R1[t * LC + c]; }, [&](int r, int c, float v) { R1[r * LC + c] = v; });
   __syncthreads();
   // k~ = K - U^T W, and the fp16 copies of W and W2.
   T* ktp = static_cast<T*>(p.kt);
-  block_mm(kChunk, K, [&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LK + d]; },
-           [&](int r, int c, int& lo, int& hi) { lo = r + 1; hi = kChunk; },
-           [&](int r, int d, float s) {
-             if (r < nq) ktp[((tok0 + r) * p.H + h) * K + d] = from_f<T>(Kf[r * LK + d] - s);
-           });
+  block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LW + d]; },
+                                [&](int r, int d, float v) {
+                                  if (r < nq) ktp[((tok0 + r) * p.H + h) * K + d] = from_f<T>(to_f(Ks[r * LT + d]) - v);
+                                });
   for (int idx = tid; idx < nq * K; idx += blockDim.x) {
     const int r = idx / K, d = idx % K;
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
-    p.w16[o] = __float2half_rn(Wf[r * LK + d]);
-    p.w2h[o] = __float2half_rn(W2f[r * LK + d]);
+    p.w16[o] = __float2half_rn(Wf[r * LW + d]);
+    p.w2h[o] = __float2half_rn(W2f[r * LW + d]);
   }
   // Per query head of the group.
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();
     for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
       const int r = idx / K, d = idx % K;
-      Qf[r * LK + d] = r < nq ? to_f(qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d]) : 0.f;
+      Qs[r * LT + d] = r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f);
     }
     __syncthreads();
-    block_mm(kChunk, kChunk, [&](int r, int k) { return Qf[r * LK + k]; }, [&](int k, int c) { return Wf[c * LK + k]; },
-             [&](int r, int c, int& lo, int& hi) { lo = 0; hi = c <= r ? K : 0; },
-             [&](int r, int c, float s) { R2[r * LC + c] = s; });
+    // X = tril_incl(Q W^T) -> R2.
+    block_mm_tc<kChunk, kChunk, K, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); }, w_kc,
+                                       [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; });
     __syncthreads();
-    block_mm(kChunk, K, [&](int r, int s) { return R2[r * LC + s]; }, [&](int s, int d) { return W2f[s * LK + d]; },
-             [&](int r, int c, int& lo, int& hi) { lo = 0; hi = r + 1; },
-             [&](int r, int d, float s) {
-               if (r < nq) p.qtl[((tok0 + r) * p.HQ + hq) * K + d] = Qf[r * LK + d] - s;
-             });
-    for (int idx = tid; idx < nq * kChunk; idx += blockDim.x) {
-      const int r = idx / kChunk, c = idx % kChunk;
-      float s = 0.f;
-      if (c <= r) {
-        for (int d = 0; d < K; ++d) s = fmaf(Qf[r * LK + d], Kf[c * LK + d], s);
-        float u = 0.f;
-        for (int t = c + 1; t <= r; ++t) u = fmaf(R2[r * LC + t], R1[t * LC + c], u);
-        s -= u;
-      }
-      p.aloc[((tok0 + r) * p.HQ + hq) * kChunk + c] = s;
-    }
+    // q~ = Q - X W2.
+    block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; }, [&](int s, int d) { return W2f[s * LW + d]; },
+        [&](int r, int d, float v) {
+          if (r < nq) p.qtl[((tok0 + r) * p.HQ + hq) * K + d] = to_f(Qs[r * LT + d]) - v;
+        });
+    // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
+    block_mm_tc<kChunk, kChunk, K + kChunk, false>([&](int r, int k) { return k < K ? to_f(Qs[r * LT + k]) : R2[r * LC + k - K]; },
+        [&](int k, int c) { return k < K ? to_f(Ks[c * LT + k]) : -R1[(k - K) * LC + c]; },
+        [&](int r, int c, float v) {
+          if (r < nq) p.aloc[((tok0 + r) * p.HQ + hq) * kChunk + c] = c <= r ? v : 0.f;
+        });
   }
+}
+
+// Per (full superblock, kv head): walks the superblock's chunks from the last down with the running product
+// M = P_last ... P_{c+1} (fp32 in shared memory, tf32 mma): ks_c = k~_c M^T, then M <- M P_c =
+// M - (M W_c^T) W2_c with the fp16 W, W2 of the chunk (the same operands the scans transport with).
+// At the end M = P_last ... P_first is stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
+template <int K>
+struct SuperSmem {
+  static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
+  static constexpr size_t bytes = sizeof(float) * (size_t(K) * LM + size_t(K) * LY) + 3 * 2 * size_t(kChunk) * LT;
+};
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p) {
+  using S = SuperSmem<K>;
+  constexpr int LM = S::LM, LY = S::LY, LT = S::LT;
+  extern __shared__ float sm[];
+  float* Mf = sm;
+  float* Yf = Mf + K * LM;
+  T* Kt = reinterpret_cast<T*>(Yf + K * LY);
+  __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
+  __half* W2s = Ws + kChunk * LT;
+
+  const int h = blockIdx.y, tid = threadIdx.x;
+  const int c0 = p.super_first[blockIdx.x];
+  const ChunkDesc ch = p.chunks[c0];
+  const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
+  const T* ktp = static_cast<const T*>(p.kt);
+  T* ksp = static_cast<T*>(p.ks);
+  for (int idx = tid; idx < K * K; idx += blockDim.x) Mf[(idx / K) * LM + idx % K] = idx / K == idx % K ? 1.f : 0.f;
+  for (int c = kSuperChunks - 1; c >= 0; --c) {
+    const int64_t t0 = tok0 + int64_t(c) * kChunk;  // every chunk of a full superblock has kChunk rows
+    __syncthreads();
+    for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
+      const int r = idx / K, d = idx % K;
+      const int64_t o = ((t0 + r) * p.H + h) * K + d;
+      Kt[r * LT + d] = ktp[o];
+      Ws[r * LT + d] = p.w16[o];
+      W2s[r * LT + d] = p.w2h[o];
+    }
+    __syncthreads();
+    // ks_c = k~_c M^T.
+    block_mm_tc<kChunk, K, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
+                                  [&](int k, int n) { return Mf[n * LM + k]; },
+                                  [&](int r, int n, float v) { ksp[((t0 + r) * p.H + h) * K + n] = from_f<T>(v); });
+    // Y = M W_c^T, then M -= Y W2_c.
+    block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Mf[r * LM + k]; },
+                                  [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
+                                  [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+    __syncthreads();
+    block_mm_tc<K, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
+                             [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
+                             [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
+  }
+  __syncthreads();
+  __half* out = p.ps + (int64_t(blockIdx.x) * p.H + h) * K * K;
+  for (int idx = tid; idx < K * K; idx += blockDim.x) out[idx] = __float2half_rn(Mf[(idx / K) * LM + idx % K]);
 }
 
 // One warp per (sequence, query head): inclusive cumsum of g in fp32, 32 positions per step.
@@ -190,8 +239,23 @@ __global__ void bwd_delta_kernel(KernelParams p) {
 
 }  // namespace
 
-size_t smem_chunk_prep(int K) {
-  return sizeof(float) * (4 * size_t(kChunk) * (K + 1) + 2 * size_t(kChunk) * (kChunk + 1) + kChunk);
+size_t smem_chunk_prep(int K) { return K == 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes; }
+size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSmem<128>::bytes; }
+
+template <typename T, int K>
+static cudaError_t super_t(const KernelParams& p, cudaStream_t s) {
+  const size_t smem = smem_super_prep(K);
+  auto kern = super_prep_kernel<T, K>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  kern<<<dim3(p.nsuper, p.H), kPrepThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
+  if (p.nsuper == 0) return cudaSuccess;
+  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, s) : super_t<__half, 128>(p, s);
+  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, s) : super_t<__nv_bfloat16, 128>(p, s);
 }
 
 template <typename T, int K>

@@ -329,7 +329,9 @@ TEST(CudaBackend, DeterministicMatchesDefault) {
   GpuCase gc(c, &dout);
   GpuRun a = run_gpu(gc, true, false), b = run_gpu(gc, true, true);
   ASSERT_TRUE(a.bs.ok() && b.bs.ok());
-  EXPECT_LE(err(a.dw, b.dw), 1e-5);
+  // The two modes differ only in the order of the fp32 sums into dP; the chunk backward then reads dP as a
+  // tf32 operand, so an order difference can flip a tf32 rounding (2^-11 relative) in a few elements.
+  EXPECT_LE(err(a.dw, b.dw), 1e-4);
   EXPECT_LE(err(a.dq, b.dq), 1e-2);
 }
 

@@ -1,0 +1,63 @@
+"""dev/cuda/shape.py: one BENCH.md shape through pathattn's CUDA backend, self-checking and self-timing.
+
+Checks the bf16 output of the current build against an fp64 brute-force reference on the first sequence's
+first `--check-rows` query rows of one head, then times forward and forward+backward (median of triton's
+do_bench) and prints the per-kernel split (PATHATTN_CUDA_PROFILE). Meant for kernel work and for profilers:
+    python3 dev/cuda/shape.py --lib build-cuda/libpathattn_capi.so --K 128 --T 4096
+    ncu -k regex:bwd_chunk --launch-count 1 python3 dev/cuda/shape.py --no-time ...
+"""
+import argparse
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+import gpu_bench as gb  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default="build-cuda/libpathattn_capi.so")
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=32768, help="B * T")
+    ap.add_argument("--gate", action="store_true")
+    ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--no-time", action="store_true", help="one forward and one backward only (profilers)")
+    a = ap.parse_args()
+    gb.load_lib(a.lib)
+    K, T = a.K, a.T
+    HQ = H = 2048 // K
+    B = max(1, a.tokens // T)
+    q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, H, K, K, a.gate, seed=T + K)
+    o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
+    dg = torch.empty_like(g) if g is not None else None
+    gb.ours_fwd(q, k, v, w, beta, g, o, lse)
+    gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+    torch.cuda.synchronize()
+    if a.no_time:
+        return
+    n = min(a.check_rows, T)
+    sl = lambda x: None if x is None else x[:1, :n, :1].contiguous()  # noqa: E731
+    ref = gb.ref_fp64(sl(q), sl(k), sl(v), sl(w), sl(beta), sl(g))
+    err = gb.rel(o[:1, :n, :1], ref)
+    print(f"K {K} T {T} B {B} HQ {HQ}: o rel L2 vs fp64 (first {n} rows, head 0) {err:.2e}", flush=True)
+    tf = do_bench(lambda: gb.ours_fwd(q, k, v, w, beta, g, o, lse), warmup=25, rep=100, return_mode="median")
+
+    def fb():
+        gb.ours_fwd(q, k, v, w, beta, g, o, lse)
+        gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+    tfb = do_bench(fb, warmup=25, rep=100, return_mode="median")
+    print(f"fwd {tf:.3f} ms  fwd+bwd {tfb:.3f} ms", flush=True)
+    os.environ["PATHATTN_CUDA_PROFILE"] = "1"
+    fb()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
