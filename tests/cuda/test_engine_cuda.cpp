@@ -49,6 +49,7 @@ class SingleThreaded : public ::testing::Environment {
 const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new SingleThreaded);
 
 constexpr double kEps32 = 0x1.0p-24;  // unit roundoff of fp32
+uint64_t g_seed = 0;  // the kernel tests' input seed, named in failure messages (rerun: --gtest_random_seed)
 
 // A device copy of a host vector; host() reads it back.
 template <typename T>
@@ -99,7 +100,8 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
     }
   }
   EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements out of tolerance; worst at " << worst
-                     << ": got " << got[worst] << ", want " << want[worst] << " (" << worst_ratio << " x tolerance)";
+                     << ": got " << got[worst] << ", want " << want[worst] << " (" << worst_ratio << " x tolerance; inputs seed "
+                     << g_seed << ")";
 }
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol,
                   const std::string& what) {
@@ -140,7 +142,8 @@ class EngineCudaKernels : public ::testing::Test {
     ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
     ASSERT_EQ(cublasSetStream(h, s), CUBLAS_STATUS_SUCCESS);
     ASSERT_EQ(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), CUBLAS_STATUS_SUCCESS);
-    rng = Rng(1000 + uint64_t(::testing::UnitTest::GetInstance()->random_seed()));
+    g_seed = 1000 + uint64_t(::testing::UnitTest::GetInstance()->random_seed());
+    rng = Rng(g_seed);
   }
   void TearDown() override {
     if (h) cublasDestroy(h);
@@ -153,8 +156,16 @@ class EngineCudaKernels : public ::testing::Test {
 
 // Elementwise kernels with exp / log1p: CUDA's expf and log1pf are within 2 ulp (CUDA C Programming Guide,
 // mathematical functions), glibc's within 1; the formulas here chain up to four such results, so 8 ulp
-// relative plus an absolute 1e-7 for outputs that cancel to near zero (1 - s, 1 - beta / 2).
-constexpr double kTransRtol = 8 * 2 * kEps32, kTransAtol = 1e-7;
+// relative. Where a formula subtracts a transcendental result from a constant (1 - s, 1 - exp(g),
+// 1 - beta / 2, 1 + a (1 - s)) the difference can cancel to near zero while keeping the absolute error of
+// its operands: those outputs get an absolute term of kCancel ulp times the magnitude of the factor that
+// multiplies the cancelling difference (trans_atol below).
+constexpr double kTransRtol = 8 * 2 * kEps32, kTransAtol = 1e-7, kCancel = 16 * kEps32;
+std::vector<double> trans_atol(const std::vector<double>& scale) {
+  std::vector<double> a(scale.size());
+  for (size_t i = 0; i < a.size(); ++i) a[i] = kTransAtol + kCancel * scale[i];
+  return a;
+}
 // Row reductions: both sides sum in fp64 (orders differ) and round once to fp32: 2 ulp. Column sums (dw,
 // db, dwc): the CPU sums fp32 values in fp32 over N = 21 rows, the GPU in fp64: N u of the sum of |terms|,
 // which for these O(1) inputs is below 21 * 6e-8 * 21 < 3e-5 absolute.
@@ -262,7 +273,14 @@ TEST_F(EngineCudaKernels, SwiGlu) {
   gpu::swiglu_fwd(gh, gm, kN, kF, s);
   gpu::swiglu_bwd(gh, gdm, gdh, kN, kF, s);
   expect_close(gm.host(), m, kTransRtol, kTransAtol, "swiglu_fwd");
-  expect_close(gdh.host(), dh, kTransRtol, kTransAtol, "swiglu_bwd");
+  std::vector<double> scale(static_cast<size_t>(kN * 2 * kF));  // |d b| (1 + |a|) and |d a|
+  for (int64_t n = 0; n < kN; ++n)
+    for (int64_t f = 0; f < kF; ++f) {
+      const double a = hh[n * 2 * kF + f], b = hh[n * 2 * kF + kF + f], d = dm[n * kF + f];
+      scale[size_t(n * 2 * kF + f)] = std::fabs(d * b) * (1 + std::fabs(a));
+      scale[size_t(n * 2 * kF + kF + f)] = std::fabs(d * a);
+    }
+  expect_close(gdh.host(), dh, kTransRtol, trans_atol(scale), "swiglu_bwd");
 }
 
 TEST_F(EngineCudaKernels, Rope) {
@@ -289,8 +307,16 @@ TEST_F(EngineCudaKernels, Conv3Silu) {
   gpu::conv3_silu_bwd(gx, gwc, gc, gdy, gdx, gdwc, kN, kT, D, s);
   expect_close(gc.host(), c, 0, 0, "conv3 pre-activation (same fp32 sum order)");
   expect_close(gy.host(), y, kTransRtol, kTransAtol, "conv3_silu_fwd");
-  // dx sums three taps of dc (a transcendental result each): the sum's error is that of its terms.
-  expect_close(gdx.host(), dx, kTransRtol, 3 * kTransAtol + 8 * kTransRtol, "conv3_silu_bwd dx");
+  // dx sums three taps wc dc, dc = dy s (1 + a (1 - s)): each tap's error scales with |wc dy| (1 + |a|).
+  std::vector<double> scale(size_t(kN * D), 0.0);
+  for (int64_t m = 0; m < kN; ++m)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t dt = 0; dt < 3; ++dt)
+        if (m % kT + dt < kT) {
+          const int64_t i = (m + dt) * D + d;
+          scale[size_t(m * D + d)] += std::fabs(double(wc[d * 3 + 2 - dt]) * dy[i]) * (1 + std::fabs(double(c[i])));
+        }
+  expect_close(gdx.host(), dx, kTransRtol, trans_atol(scale), "conv3_silu_bwd dx");
   expect_close(gdwc.host(), dwc, 0, kColAtol, "conv3_silu_bwd dwc");
 }
 
@@ -325,9 +351,11 @@ TEST_F(EngineCudaKernels, BetaAndLogSigmoid) {
   gpu::logsigmoid_fwd(gz, gg, n, s);
   gpu::logsigmoid_bwd(gg, gd, gdzg, n, s);
   expect_close(gbeta.host(), beta, kTransRtol, kTransAtol, "beta_fwd");
-  expect_close(gdzb.host(), dzb, kTransRtol, kTransAtol, "beta_bwd");
+  std::vector<double> scale(static_cast<size_t>(n));  // |dbeta| beta, beta <= 2; |dg| for 1 - exp(g)
+  for (int64_t i = 0; i < n; ++i) scale[size_t(i)] = 2 * std::fabs(double(dgrad[i]));
+  expect_close(gdzb.host(), dzb, kTransRtol, trans_atol(scale), "beta_bwd");
   expect_close(gg.host(), g, kTransRtol, kTransAtol, "logsigmoid_fwd");
-  expect_close(gdzg.host(), dzg, kTransRtol, kTransAtol, "logsigmoid_bwd");
+  expect_close(gdzg.host(), dzg, kTransRtol, trans_atol(scale), "logsigmoid_bwd");
 }
 
 TEST_F(EngineCudaKernels, AddAndBf16) {
@@ -340,12 +368,12 @@ TEST_F(EngineCudaKernels, AddAndBf16) {
   gpu::add(ga, gb, ga, n, s);  // in place, as add_inplace
   expect_close(gy.host(), y, 0, 0, "add");
   expect_close(ga.host(), y, 0, 0, "add in place");
-  // bf16 round trip: round to nearest even keeps 8 significant bits: relative error <= 2^-9.
+  // bf16 round trip: 8 significant bits, round to nearest even: relative error <= u = 2^-8.
   Dev<__nv_bfloat16> gbf{std::vector<__nv_bfloat16>(size_t(n))};
   Dev<float> back{size_t(n)};
   gpu::to_bf16(gb, gbf, n, s);
   gpu::from_bf16(gbf, back, n, s);
-  expect_close(back.host(), b, 0x1.0p-9, 0, "bf16 round trip");
+  expect_close(back.host(), b, 0x1.0p-8, 0, "bf16 round trip");
 }
 
 TEST_F(EngineCudaKernels, CrossEntropy) {
@@ -452,13 +480,15 @@ double l2_diff(const std::vector<float>& a, const std::vector<float>& b) {
 // model from the same init on the same batches.
 //
 // Tolerances. The only deliberate difference is the bf16 rounding of q, k, v, o, do (and dq, dk, dv) at
-// the attention call: relative 2^-9 per element. Step 0 (identical parameters): the loss differs by the
-// attention output's rounding passed through Wo, whose init scale (0.02 / sqrt(4)) makes the attention
-// branch small against the residual stream: |dloss| < 1e-3 of the loss. Gradients: the attention
-// parameters see the bf16 rounding directly (relative 2^-8 per operand, a few operands): each tensor within
-// 3% relative L2. Later steps: Adam divides by sqrt(v), so a gradient element near zero can take a different
-// sign and move its parameter by up to lr; the loss drifts accordingly: 2% of the loss over 8 steps, and the
-// final parameters' distance stays below 10% of the distance the CPU run moved them.
+// the attention call: relative u = 2^-8 per element. Step 0 (identical parameters): the loss moves by the
+// attention output's rounding passed through Wo, whose init scale (0.02 / sqrt(4)) keeps the attention
+// branch small against the residual stream: bound 2e-4 of the loss (measured on an H200: 1e-5 for path and
+// rope). Gradients at step 0: the attention parameters see the rounding of a few bf16 operands directly
+// (a few u): each tensor within 3% relative L2 (measured: at most 0.5%). Later steps: Adam divides by
+// sqrt(v), so a gradient element near zero can take the other sign and move its parameter by up to lr in
+// either run; the loss drifts by 1e-3 of the loss at most over 8 steps (measured: 8e-5), and the final
+// parameters' distance stays below 5% of the distance the CPU run moved them (measured: 1.7% path, 1.9%
+// rope).
 void parity(AttnKind attn) {
   RunConfig cfg = a5_config(attn);
   const auto task = make_task(cfg.task);
@@ -480,7 +510,7 @@ void parity(AttnKind attn) {
     const StepStats sc = cpu.forward(b.tokens.data(), b.targets.data(), b.B, b.T);
     const StepStats sd = dev.forward(b.tokens.data(), b.targets.data(), b.B, b.T);
     EXPECT_EQ(sc.count, sd.count);
-    const double tol = (step == 0 ? 1e-3 : 2e-2) * sc.loss;
+    const double tol = (step == 0 ? 2e-4 : 1e-3) * sc.loss;
     EXPECT_NEAR(sd.loss, sc.loss, tol) << attn_kind_name(attn) << " step " << step;
     std::printf("  %s step %lld: loss cpu %.6f cuda %.6f (diff %.2e)\n", attn_kind_name(attn), (long long)step,
                 sc.loss, sd.loss, sd.loss - sc.loss);
@@ -511,7 +541,7 @@ void parity(AttnKind attn) {
   const double moved = l2_diff(cpu.params, init), apart = l2_diff(back.params, cpu.params);
   std::printf("  %s: parameters moved %.4f (cpu), cpu vs cuda %.4f\n", attn_kind_name(attn), moved, apart);
   EXPECT_GT(moved, 0.0);
-  EXPECT_LT(apart, 0.1 * moved) << attn_kind_name(attn);
+  EXPECT_LT(apart, 0.05 * moved) << attn_kind_name(attn);
 }
 
 TEST(EngineCudaParity, PathA5) {
