@@ -114,6 +114,22 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   return Status::Ok();
 }
 
+// Two-level scan (PaTH only): the superblock table, keys moved to their superblock's end, superblock products.
+Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, cudaStream_t s) {
+  kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
+  if (kp.nsuper == 0) return Status::Ok();
+  const size_t NT = size_t(pr.B) * pr.T;
+  int32_t* sf = nullptr;
+  PA_CU(ws.alloc(&sf, t.super_first.size()));
+  PA_CU(cudaMemcpyAsync(sf, t.super_first.data(), t.super_first.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  kp.super_first = sf;
+  __half* ks = nullptr;
+  PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
+  kp.ks = ks;
+  PA_CU(ws.alloc(&kp.ps, size_t(kp.nsuper) * pr.H * pr.K * pr.K));
+  return Status::Ok();
+}
+
 int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
 
 // Per-kernel timing for kernel work (PATHATTN_CUDA_PROFILE=1 in the environment): events between launches,
@@ -171,19 +187,7 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   Workspace ws(s);
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
-  // Two-level scan: superblock table, keys moved to their superblock's end, superblock products.
-  kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
-  if (kp.nsuper > 0) {
-    const size_t NT = size_t(pr.B) * pr.T;
-    int32_t* sf = nullptr;
-    PA_CU(ws.alloc(&sf, t.super_first.size()));
-    PA_CU(cudaMemcpyAsync(sf, t.super_first.data(), t.super_first.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-    kp.super_first = sf;
-    __half* ks = nullptr;
-    PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
-    kp.ks = ks;
-    PA_CU(ws.alloc(&kp.ps, size_t(kp.nsuper) * pr.H * pr.K * pr.K));
-  }
+  PA_TRY(alloc_super(ws, kp, t, pr, s));
   Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
   PA_CU(launch_chunk_prep(kp, dt, s));
@@ -201,6 +205,8 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   PA_TRY(check_smem(smem_bwd_q(int(pr.K), int(pr.V)), "backward (query side)"));
   PA_TRY(check_smem(smem_bwd_k(int(pr.K), int(pr.V)), "backward (key side)"));
   PA_TRY(check_smem(smem_bwd_chunk(int(pr.K)), "backward (chunk)"));
+  PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
+  PA_TRY(check_smem(smem_super_bwd(int(pr.K)), "superblock backward"));
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   const Tables t = build_tables(pr);
@@ -246,6 +252,23 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
     PA_CU(cudaMemsetAsync(kp.dgcol, 0, NT * HQ * sizeof(float), s));
   }
   PA_CU(cudaMemsetAsync(kp.dP, 0, size_t(kp.nchunks) * H * K * K * sizeof(float), s));
+  PA_TRY(alloc_super(ws, kp, t, pr, s));
+  // Superblock-backward grid: one CTA per SM (each with a scratch of kSuperChunks x K x K floats).
+  int sb_grid = 0;
+  if (kp.nsuper > 0) {
+    int dev = 0, sms = 0;
+    PA_CU(cudaGetDevice(&dev));
+    PA_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    sb_grid = std::min(kp.nsuper * int(H), sms);
+    __half* qhat = nullptr;
+    PA_CU(ws.alloc(&qhat, NT * HQ * K));
+    kp.qhat = qhat;
+    PA_CU(ws.alloc(&kp.dks, NT * H * K));
+    PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
+    PA_CU(ws.alloc(&kp.sscr, size_t(sb_grid) * kSuperChunks * K * K));
+    PA_CU(cudaMemsetAsync(kp.dks, 0, NT * H * K * sizeof(float), s));
+    PA_CU(cudaMemsetAsync(kp.dps, 0, size_t(kp.nsuper) * H * K * K * sizeof(float), s));
+  }
 
   // Persistent grids: one scratch slot of max_chunks x C x K (fp16) per CTA.
   const int nseqs = int(t.seq_first.size());
@@ -261,6 +284,8 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   PA_CU(launch_chunk_prep(kp, dt, s));
   PA_CU(launch_bwd_delta(kp, dt, s));
   prof.mark("gate+chunk_prep+delta");
+  PA_CU(launch_super_prep(kp, dt, s));
+  prof.mark("super_prep");
   {
     KernelParams kq = kp;
     if (p.deterministic) kq.order = seq_first;
@@ -269,6 +294,8 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   prof.mark("bwd_q");
   PA_CU(launch_bwd_k(kp, dt, gk, s));
   prof.mark("bwd_k");
+  PA_CU(launch_super_bwd(kp, dt, sb_grid, s));
+  prof.mark("super_bwd");
   PA_CU(launch_bwd_chunk(kp, dt, s));
   prof.mark("bwd_chunk");
   if (pr.gate) PA_CU(launch_bwd_dg(kp, seq_first, nseqs, s));

@@ -1,8 +1,13 @@
-// cuda/bwd_k.cu: the key-side backward pass. Per (key chunk kc, kv head h), all query heads of the group:
-//   pass 1 (left to right) moves the chunk-end keys k~ forward across later chunks,
-//          kt^(qc+1) = kt^(qc) P_qc^T = kt - (kt W2^T) W, parking kt^(qc) (fp16) in this CTA's scratch slot;
-//   pass 2 (right to left) takes logits q~_qc . kt^(qc), accumulates dv += P^T dO (direct) and the key
-//          adjoint h_qc = sum_hq scale dS^T q~ + h_{qc+1} P_qc (tf32), ending with dk~ = h_{kc+1}.
+// cuda/bwd_k.cu: the key-side backward pass. Per (key chunk kc, kv head h), all query heads of the group,
+// two-level as the forward:
+//   pass 1 (left to right) moves the chunk-end keys k~ forward across the later chunks of their superblock,
+//          kt^(qc+1) = kt^(qc) P_qc^T = kt - (kt W2^T) W, then across whole later superblocks
+//          (kt <- kt PS_a^T), parking each state (fp16) in this CTA's scratch slot;
+//   pass 2 (right to left) takes logits qhat . kt for the query chunks of later superblocks (queries moved to
+//          their superblock's start) and q~_qc . kt^(qc) for those of the own superblock, accumulates
+//          dv += P^T dO (direct) and the key adjoint h = sum_hq scale dS^T q + h PS_a (or h P_qc) (tf32);
+//          h at the own superblock's end is dks (far queries only, for the superblock products' gradient),
+//          and the chain ends with dk~ = h_{kc+1}.
 // Every output row belongs to this CTA alone: no atomics, deterministic in every mode.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
@@ -62,7 +67,26 @@ struct BwdK {
     __syncthreads();
     load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + posk0 * p.v_s[1] + h * p.v_s[2], p.v_s[1], nk);
     cp_async_commit();
-    // ---- pass 1: kt^(qc) for qc = kc+1 .. last into scratch[qc].
+    // Two-level: query chunks of the key's own superblock are met chunk by chunk; later superblocks a meet
+    // the key at their start, with qhat (queries moved to their superblock's start), one dense step each.
+    const int sbk = kc / kSuperChunks, last_sb = last / kSuperChunks;
+    const bool far = p.path && last_sb > sbk;
+    const int lastl = far ? sbk * kSuperChunks + kSuperChunks - 1 : last;
+    auto park = [&](const float (&kt)[K / 8][4], int slot) {
+      __half* dst = scratch + size_t(slot) * kChunk * K;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt)
+          *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
+              __floats2half2_rn(kt[nt][2 * hr], kt[nt][2 * hr + 1]);
+    };
+    auto load_ps = [&](int a) {
+      const __half* ps = p.ps + (int64_t(ch.sfirst + a) * p.H + h) * K * K;
+      for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
+    };
+    // ---- pass 1: kt^(qc) for qc = kc+1 .. lastl into scratch[qc]; then the key at the start of each later
+    // superblock a into scratch[a * kSuperChunks] (past lastl: the slots do not overlap).
     {
       float kt[K / 8][4];
 #pragma unroll
@@ -76,14 +100,8 @@ struct BwdK {
           kt[nt][2 * hr + 1] = ok ? to_f(src[8 * nt + 2 * t4 + 1]) : 0.f;
         }
       }
-      for (int qc = kc + 1; qc <= last; ++qc) {
-        __half* dst = scratch + size_t(qc) * kChunk * K;
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-          for (int nt = 0; nt < K / 8; ++nt)
-            *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
-                __floats2half2_rn(kt[nt][2 * hr], kt[nt][2 * hr + 1]);
+      for (int qc = kc + 1; qc <= lastl; ++qc) {
+        park(kt, qc);
         if (qc == last) break;
         const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
         __syncthreads();
@@ -97,62 +115,60 @@ struct BwdK {
         warp_mma_rs<__half, K / 16, 8, false>(y, kt, 1.f, W2s, LK, 0);
         warp_mma_rs<__half, 4, K / 8, true>(kt, y, -1.f, Ws, LK, 0);
       }
+      if (far) {
+        for (int a = sbk + 1; a <= last_sb; ++a) {
+          park(kt, a * kSuperChunks);
+          if (a == last_sb) break;
+          __syncthreads();
+          load_ps(a);
+          cp_async_commit();
+          cp_async_wait_all();
+          __syncthreads();
+          float y[K / 8][4];
+          zero_acc(y);
+          warp_mma_rs<__half, K / 16, K / 8, false>(y, kt, 1.f, Ws, LK, 0);  // kt <- kt PS_a^T
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kt[nt][e] = y[nt][e];
+        }
+      }
     }
     for (int idx = threadIdx.x; idx < kChunk * LG; idx += blockDim.x) hs[idx] = 0.f;
     __syncthreads();  // the last chunk has no pass-2 iteration: its outputs read hs right away
     float dv[V / 8][4];
     zero_acc(dv);
-    // ---- pass 2: query chunks right to left.
-    for (int qc = last; qc > kc; --qc) {
-      const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
-      const int nqv = min(kChunk, ch.len - qc * kChunk);
-      __syncthreads();
-      load_tile_async<K>(Sh, scratch + size_t(qc) * kChunk * K, K, kChunk);
-      if (qc < last) {
-        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-      }
-      cp_async_commit();
-      cp_async_wait_all();
-      __syncthreads();
-      const T* Kop;
+    // Snapshot in scratch slot `slot` -> Sh (plus whatever else the caller queued), as the score operand.
+    auto key_operand = [&]() -> const T* {
       if constexpr (!IsHalf<T>::value) {
         for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
           const int r = idx / K, d = idx % K;
           ST[r * LK + d] = from_f<T>(__half2float(Sh[r * LK + d]));
         }
-        Kop = ST;
+        return ST;
       } else {
-        Kop = reinterpret_cast<const T*>(Sh);
+        return reinterpret_cast<const T*>(Sh);
       }
-      if (qc < last) {  // h <- h P_qc = h - (h W^T) W2 (own rows)
-        float y[1][8][4];
-        zero_acc(y);
-        warp_mma_tf32<1, 8, false, false, float, __half>(y, hs, LG, 16 * warp, Ws, LK, 0, K);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) Ys[rr[e >> 1] * LX + 8 * nt + 2 * t4 + (e & 1)] = y[0][nt][e];
-        __syncwarp();
-        float ga[1][K / 8][4];
-        zero_acc(ga);
-        warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, Ys, LX, 16 * warp, W2s, LK, 0, kChunk);
-        __syncwarp();
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
-      }
+    };
+    // One query chunk qc (all query heads of the group) against the key tile Kop; queries from qhat (far)
+    // or q~ (own superblock).
+    auto query_chunk = [&](int qc, const T* Kop, bool from_qhat) {
+      const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
+      const int nqv = min(kChunk, ch.len - qc * kChunk);
       for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
         __syncthreads();
         load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
-        cp_async_commit();
-        for (int idx = threadIdx.x; idx < kChunk * (K / 2); idx += blockDim.x) {
-          const int r = idx / (K / 2), d = 2 * (idx % (K / 2));
-          float2 v2 = r < nqv ? *reinterpret_cast<const float2*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
-                              : make_float2(0.f, 0.f);
-          *reinterpret_cast<uint32_t*>(Qs + r * LK + d) = Pack2<T>::pack(v2.x, v2.y);
+        if (from_qhat) {
+          load_tile_async<K>(Qs, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
+        } else {
+          for (int idx = threadIdx.x; idx < kChunk * (K / 2); idx += blockDim.x) {
+            const int r = idx / (K / 2), d = 2 * (idx % (K / 2));
+            float2 v2 = r < nqv ? *reinterpret_cast<const float2*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
+                                : make_float2(0.f, 0.f);
+            *reinterpret_cast<uint32_t*>(Qs + r * LK + d) = Pack2<T>::pack(v2.x, v2.y);
+          }
         }
+        cp_async_commit();
         for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
           const bool ok = r < nqv;
           lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + (pos + r) * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : 0.f;
@@ -197,6 +213,73 @@ struct BwdK {
           }
         }
       }
+    };
+    // h (own rows) <- h - (h B1^T) B2 with B1 = W, B2 = W2 (one chunk), or h <- h PS (one superblock).
+    auto chain_chunk = [&]() {
+      float y[1][8][4];
+      zero_acc(y);
+      warp_mma_tf32<1, 8, false, false, float, __half>(y, hs, LG, 16 * warp, Ws, LK, 0, K);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Ys[rr[e >> 1] * LX + 8 * nt + 2 * t4 + (e & 1)] = y[0][nt][e];
+      __syncwarp();
+      float ga[1][K / 8][4];
+      zero_acc(ga);
+      warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, Ys, LX, 16 * warp, W2s, LK, 0, kChunk);
+      __syncwarp();
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
+    };
+    // ---- pass 2: query superblocks, then query chunks, right to left.
+    if (far) {
+      for (int a = last_sb; a > sbk; --a) {
+        __syncthreads();
+        load_tile_async<K>(Sh, scratch + size_t(a) * kSuperChunks * kChunk * K, K, kChunk);
+        if (a < last_sb) load_ps(a);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        const T* Kop = key_operand();
+        if (a < last_sb) {  // across superblock a: h <- h PS_a (own rows)
+          float ga[1][K / 8][4];
+          zero_acc(ga);
+          warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, hs, LG, 16 * warp, Ws, LK, 0, K);
+          __syncwarp();
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] = ga[0][nt][e];
+        }
+        const int qend = min(last, a * kSuperChunks + kSuperChunks - 1);
+        for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Kop, true);
+      }
+      // h is now the gradient w.r.t. the key moved to its superblock's end, from the far queries.
+      __syncthreads();
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int j = rr[hr];
+        if (j >= nk) continue;
+        float* dst = p.dks + ((tokk0 + j) * p.H + h) * K;
+        for (int d = t4; d < K; d += 4) dst[d] = hs[j * LG + d];
+      }
+    }
+    for (int qc = lastl; qc > kc; --qc) {
+      const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
+      __syncthreads();
+      load_tile_async<K>(Sh, scratch + size_t(qc) * kChunk * K, K, kChunk);
+      if (qc < last) {
+        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      }
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
+      const T* Kop = key_operand();
+      if (qc < last) chain_chunk();  // h <- h P_qc = h - (h W^T) W2 (own rows)
+      query_chunk(qc, Kop, false);
     }
     // ---- outputs: dk~ = h_{kc+1}, dv (off-diagonal part, summed over the group).
     __syncthreads();
@@ -215,7 +298,7 @@ struct BwdK {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads) bwd_k_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kBwdThreads, 1) bwd_k_kernel(KernelParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdK<T, K, V> w;
   w.carve(smem);

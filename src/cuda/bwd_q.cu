@@ -1,13 +1,15 @@
-// cuda/bwd_q.cu: the query-side backward pass. Per (query chunk qc, query head):
-//   pass 1 (right to left) recomputes qt_kc, the queries moved to the end of key chunk kc, exactly as the
-//          forward does, and parks them (fp16) in this CTA's scratch slot: max_chunks x C x K per CTA,
-//          with a persistent grid, so the scratch is linear in T (never [B, T, T/S, HQ, K]);
+// cuda/bwd_q.cu: the query-side backward pass. Per (query chunk qc, query head), two-level as the forward:
+//   pass 1 (right to left) recomputes qt_kc, the queries moved to the end of key chunk kc, for the chunks of
+//          the query's own superblock, then qhat (queries at their superblock's start, written for the key
+//          side) and qt_sb at the end of every earlier superblock sb (dense PS steps); all parked (fp16) in
+//          this CTA's scratch slot (max_chunks x C x K per CTA, persistent grid: linear in T);
 //   diagonal: P from A_loc and lse, dA_loc = scale dS (written over A_loc), dv_diag = P^T dO, gate terms;
-//   pass 2 (left to right) runs the transport adjoint: gbar = local_0; for kc >= 1:
-//          dP_kc += qt_kc^T gbar, gbar = gbar P_kc^T + local_kc, with local_kc = scale dS_kc k~_kc;
-//          finally dq~ = gbar. The chain and dP use tf32 (gradients can be far below fp16's range).
-// dP is a per-(chunk, kv head) K x K sum over query chunks and heads: fp32 atomics, or, in deterministic
-// mode, one CTA owns a whole (sequence, kv head) and adds in a fixed order.
+//   pass 2 (left to right) runs the transport adjoint: over far superblocks, gbar <- gbar PS_sb^T with
+//          dPS_sb += qt_sb^T gbar, plus scale dS ks for the superblock's keys (moved to its end); then over
+//          the own superblock's chunks, dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T, plus scale dS k~;
+//          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
+// dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 atomics, or,
+// in deterministic mode, one CTA owns a whole (sequence, kv head) and adds in a fixed order.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -65,7 +67,10 @@ struct BwdQ {
     const T* dop = static_cast<const T*>(p.dout);
 
     __syncthreads();  // the previous item is done with shared memory
-    // ---- pass 1: qt_kc for kc = qc-1 .. 0 into scratch[kc] (fp16, [64][K]).
+    // ---- pass 1: qt_kc for kc = qc-1 .. first into scratch[kc] (fp16, [64][K]); then (two-level) qhat,
+    // the queries at their superblock's start, and qt_sb at the end of each earlier superblock sb into
+    // scratch[sb] (sb < first: the slots do not overlap).
+    const int sbq = qc / kSuperChunks, first = p.path ? sbq * kSuperChunks : 0;
     {
       float qt[K / 8][4];
 #pragma unroll
@@ -79,14 +84,17 @@ struct BwdQ {
           qt[nt][2 * hr + 1] = v2.y;
         }
       }
-      for (int kc = qc - 1; kc >= 0; --kc) {
-        __half* dst = scratch + size_t(kc) * kChunk * K;
+      auto park = [&](int slot) {
+        __half* dst = scratch + size_t(slot) * kChunk * K;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
           for (int nt = 0; nt < K / 8; ++nt)
             *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
                 __floats2half2_rn(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+      };
+      for (int kc = qc - 1; kc >= first; --kc) {
+        park(kc);
         if (kc == 0) break;
         const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
         __syncthreads();
@@ -99,6 +107,34 @@ struct BwdQ {
         zero_acc(x);
         warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
         warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
+      }
+      if (first > 0) {
+        T* qh = static_cast<T*>(p.qhat);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          if (rr[hr] >= nq) continue;
+          T* dst = qh + ((tokq0 + rr[hr]) * p.HQ + hq) * K;
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+            *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = Pack2<T>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+        }
+        for (int sb = sbq - 1; sb >= 0; --sb) {
+          park(sb);
+          if (sb == 0) break;
+          __syncthreads();
+          const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
+          for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
+          cp_async_commit();
+          cp_async_wait_all();
+          __syncthreads();
+          float y[K / 8][4];
+          zero_acc(y);
+          warp_mma_rs<__half, K / 16, K / 8, true>(y, qt, 1.f, Ws, LK, 0);  // qt <- qt PS_sb
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qt[nt][e] = y[nt][e];
+        }
       }
     }
     // ---- per-row data and the diagonal chunk.
@@ -169,81 +205,143 @@ struct BwdQ {
         dga[r] = gs * (a - b);
       }
     }
-    // ---- pass 2: key chunks left to right, transport adjoint.
+    // ---- pass 2: key chunks left to right, transport adjoint. Far superblocks first (keys moved to their
+    // superblock's end, one dense adjoint step per superblock), then the chunks of the query's own
+    // superblock (one low-rank adjoint step per chunk).
     float* dPbase = p.dP + (int64_t(ch.first) * p.H + h) * K * K;
-    for (int kc = 0; kc < qc; ++kc) {
-      const int64_t tok = seq_tok0 + int64_t(kc) * kChunk, pos = ch.t0 + int64_t(kc) * kChunk;
-      __syncthreads();
-      load_tile_async<K>(Qh, scratch + size_t(kc) * kChunk * K, K, kChunk);
-      load_tile_async<K>(Ks, ktp + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-      load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
-      if (kc > 0) {
-        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+    // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): fp32 atomics, or plain adds in
+    // deterministic mode (one CTA per (sequence, kv head)).
+    auto add_outer = [&](float* dst_base) {
+      constexpr int MT = K / 64;
+#pragma unroll
+      for (int n0 = 0; n0 < K; n0 += 64) {
+        float d[MT][8][4];
+        zero_acc(d);
+        warp_mma_tf32<MT, 8, true, true, __half, float>(d, Qh, LK, warp * 16 * MT, gb, LG, n0, kChunk);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {  // two adjacent columns per lane: one float2 atomic (sm_90)
+              const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4;
+              float* dst = dst_base + a * K + b;
+              if (p.deterministic) {
+                dst[0] += d[mt][nt][e];
+                dst[1] += d[mt][nt][e + 1];
+              } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(d[mt][nt][e], d[mt][nt][e + 1]));
+#else
+                atomicAdd(dst, d[mt][nt][e]);
+                atomicAdd(dst + 1, d[mt][nt][e + 1]);
+#endif
+              }
+            }
       }
-      cp_async_commit();
-      for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gk[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
-      cp_async_wait_all();
-      __syncthreads();
-      const T* Qop;
+    };
+    // Qh (fp16 snapshot) as the score operand in the input type.
+    auto score_operand = [&]() -> const T* {
       if constexpr (!IsHalf<T>::value) {
         for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
           const int r = idx / K, d = idx % K;
           QT[r * LK + d] = from_f<T>(__half2float(Qh[r * LK + d]));
         }
         __syncthreads();
-        Qop = QT;
+        return QT;
       } else {
-        Qop = reinterpret_cast<const T*>(Qh);
+        return reinterpret_cast<const T*>(Qh);
       }
-      float ds[8][4];
-      {
-        float s[1][8][4], dp[1][8][4];
-        zero_acc(s);
-        zero_acc(dp);
-        warp_mma_ss<T, 1, 8, false, false>(s, Qop, LK, 16 * warp, Ks, LK, 0, K);
-        warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vs, LV, 0, V);
+    };
+    // One key chunk against the query tile Qop: ds = P * (dP - delta), gate row sums.
+    auto scores = [&](const T* Qop, float (&ds)[8][4]) {
+      float s[1][8][4], dp[1][8][4];
+      zero_acc(s);
+      zero_acc(dp);
+      warp_mma_ss<T, 1, 8, false, false>(s, Qop, LK, 16 * warp, Ks, LK, 0, K);
+      warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vs, LV, 0, V);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
-            const float pr = r < nq ? exp2f(s[0][nt][e] * sl2 + Gq[r] - Gk[c] - lse2[r]) : 0.f;
-            ds[nt][e] = pr * (dp[0][nt][e] - del[r]);
-            rs[e >> 1] += ds[nt][e];
-          }
-      }
-      if (kc > 0) {
-        // dP_kc += qt_kc^T gbar  (K x K; warp w owns rows [w K/4, (w+1) K/4)).
-        constexpr int MT = K / 64;
-#pragma unroll
-        for (int n0 = 0; n0 < K; n0 += 64) {
-          float d[MT][8][4];
-          zero_acc(d);
-          warp_mma_tf32<MT, 8, true, true, __half, float>(d, Qh, LK, warp * 16 * MT, gb, LG, n0, kChunk);
-          float* dPk = dPbase + int64_t(kc) * p.H * K * K;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-              for (int e = 0; e < 4; e += 2) {  // two adjacent columns per lane: one float2 atomic (sm_90)
-                const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4;
-                float* dst = dPk + a * K + b;
-                if (p.deterministic) {
-                  dst[0] += d[mt][nt][e];
-                  dst[1] += d[mt][nt][e + 1];
-                } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(d[mt][nt][e], d[mt][nt][e + 1]));
-#else
-                  atomicAdd(dst, d[mt][nt][e]);
-                  atomicAdd(dst + 1, d[mt][nt][e + 1]);
-#endif
-                }
-              }
+        for (int e = 0; e < 4; ++e) {
+          const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
+          const float pr = r < nq ? exp2f(s[0][nt][e] * sl2 + Gq[r] - Gk[c] - lse2[r]) : 0.f;
+          ds[nt][e] = pr * (dp[0][nt][e] - del[r]);
+          rs[e >> 1] += ds[nt][e];
         }
-        // dX = gbar W2^T (own rows) -> dXs.
+    };
+    // gbar += scale dS keys (own rows).
+    auto add_local = [&](const float (&ds)[8][4]) {
+      float lc[K / 8][4];
+      zero_acc(lc);
+      warp_mma_rs<T, 4, K / 8, true>(lc, ds, p.scale, Ks, LK, 0);
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
+    };
+    auto load_keys = [&](const T* keys, int kc) {
+      const int64_t tok = seq_tok0 + int64_t(kc) * kChunk, pos = ch.t0 + int64_t(kc) * kChunk;
+      load_tile_async<K>(Ks, keys + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
+      for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gk[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
+    };
+    if (first > 0) {
+      const T* ksp = static_cast<const T*>(p.ks);
+      float* dPSbase = p.dps + (int64_t(ch.sfirst) * p.H + h) * K * K;
+      for (int sb = 0; sb < sbq; ++sb) {
+        __syncthreads();
+        load_tile_async<K>(Qh, scratch + size_t(sb) * kChunk * K, K, kChunk);
+        if (sb > 0) {
+          const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
+          for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        if (sb > 0) {
+          // Across superblock sb (qt_{sb-1} = qt_sb PS_sb): dPS_sb += qt_sb^T gbar, gbar <- gbar PS_sb^T.
+          add_outer(dPSbase + int64_t(sb) * p.H * K * K);
+          float ga[1][K / 8][4];
+          zero_acc(ga);
+          warp_mma_tf32<1, K / 8, false, false, float, __half>(ga, gb, LG, 16 * warp, Ws, LK, 0, K);
+          __syncthreads();  // every warp has read all of gb (dPS) before it changes
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] = ga[0][nt][e];
+        }
+        const T* Qop = score_operand();
+        for (int j = 0; j < kSuperChunks; ++j) {
+          __syncthreads();
+          load_keys(ksp, sb * kSuperChunks + j);
+          cp_async_commit();
+          cp_async_wait_all();
+          __syncthreads();
+          float ds[8][4];
+          scores(Qop, ds);
+          add_local(ds);
+        }
+      }
+    }
+    for (int kc = first; kc < qc; ++kc) {
+      const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+      __syncthreads();
+      load_tile_async<K>(Qh, scratch + size_t(kc) * kChunk * K, K, kChunk);
+      load_keys(ktp, kc);
+      if (kc > 0) {
+        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      }
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
+      const T* Qop = score_operand();
+      float ds[8][4];
+      scores(Qop, ds);
+      if (kc > 0) {
+        // Across chunk kc: dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T = gbar - (gbar W2^T) W.
+        add_outer(dPbase + int64_t(kc) * p.H * K * K);
         float x[1][8][4];
         zero_acc(x);
         warp_mma_tf32<1, 8, false, false, float, __half>(x, gb, LG, 16 * warp, W2s, LK, 0, K);
@@ -260,14 +358,7 @@ struct BwdQ {
 #pragma unroll
           for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
       }
-      // gbar += scale dS k~.
-      float lc[K / 8][4];
-      zero_acc(lc);
-      warp_mma_rs<T, 4, K / 8, true>(lc, ds, p.scale, Ks, LK, 0);
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
+      add_local(ds);
     }
     // ---- outputs: dq~ = gbar, gate row terms (dga and gb rows were written by other warps when qc == 0).
     __syncthreads();
@@ -287,7 +378,7 @@ struct BwdQ {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads) bwd_q_kernel(KernelParams p, int nitems) {
+__global__ void __launch_bounds__(kBwdThreads, 1) bwd_q_kernel(KernelParams p, int nitems) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdQ<T, K, V> w;
   w.carve(smem);

@@ -79,6 +79,11 @@ struct KernelParams {
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
   float* dvk;       // [NT, H, V]   off-diagonal P^T dO summed over the group
   __half* scratch;  // [grid, max_chunks, C, K] per-CTA transported states (memory-linear in T)
+  // Two-level backward (full superblocks; PaTH only).
+  void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
+  float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
+  float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
+  float* sscr;      // [grid, kSuperChunks, K, K] per-CTA scratch of super_bwd
   bool deterministic;
 };
 

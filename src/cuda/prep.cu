@@ -172,6 +172,99 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
   for (int idx = tid; idx < K * K; idx += blockDim.x) out[idx] = __float2half_rn(Mf[(idx / K) * LM + idx % K]);
 }
 
+// Backward of the superblock products, per (full superblock, kv head); persistent grid, per-CTA scratch of
+// kSuperChunks K x K fp32 matrices. With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and the far
+// keys ks_c = k~_c M_c^T, the gradients dPS (query side) and dks (key side) reach the chunk products as
+//   dP_c += M_c^T R_c,   R_0 = dPS,   R_{c+1} = R_c P_c^T + dks_c^T k~_c
+// (added to dP, which the query side filled for the pairs inside a superblock). The key-side chain already
+// carried the far gradient into dk~. tf32 mma, fp32 accumulation; fixed order (deterministic).
+template <int K>
+struct SuperBwdSmem {
+  static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
+  static constexpr size_t bytes = sizeof(float) * (size_t(K) * LM + size_t(K) * LY + size_t(kChunk) * LM) +
+                                  3 * 2 * size_t(kChunk) * LT;
+};
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams p, int nitems) {
+  using S = SuperBwdSmem<K>;
+  constexpr int LM = S::LM, LY = S::LY, LT = S::LT;
+  extern __shared__ float sm[];
+  float* Rf = sm;                 // M (pass 1), then R (pass 2)
+  float* Yf = Rf + K * LM;
+  float* dKs = Yf + K * LY;       // [64][LM] dks of one chunk
+  T* Kt = reinterpret_cast<T*>(dKs + kChunk * LM);
+  __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
+  __half* W2s = Ws + kChunk * LT;
+  float* Msc = p.sscr + size_t(blockIdx.x) * kSuperChunks * K * K;
+  const T* ktp = static_cast<const T*>(p.kt);
+  const int tid = threadIdx.x;
+
+  for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
+    const int sbi = it / p.H, h = it % p.H;
+    const int c0 = p.super_first[sbi];
+    const ChunkDesc ch = p.chunks[c0];
+    const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;
+    auto load_w = [&](int c) {
+      const int64_t t0 = tok0 + int64_t(c) * kChunk;
+      for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
+        const int r = idx / K, d = idx % K;
+        const int64_t o = ((t0 + r) * p.H + h) * K + d;
+        Ws[r * LT + d] = p.w16[o];
+        W2s[r * LT + d] = p.w2h[o];
+      }
+    };
+    // ---- pass 1: M_last = I, M_{c-1} = M_c - (M_c W_c^T) W2_c, each stored to the scratch.
+    __syncthreads();
+    for (int idx = tid; idx < K * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = idx / K == idx % K ? 1.f : 0.f;
+    for (int c = kSuperChunks - 1; c >= 0; --c) {
+      __syncthreads();
+      float* Mc = Msc + size_t(c) * K * K;
+      for (int idx = tid; idx < K * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
+      if (c == 0) break;
+      load_w(c);
+      __syncthreads();
+      block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
+                                       [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
+                                       [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+      __syncthreads();
+      block_mm_tc<K, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
+                                       [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
+                                       [&](int r, int n, float v) { Rf[r * LM + n] -= v; });
+    }
+    // ---- pass 2: R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
+    __syncthreads();
+    const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K;
+    for (int idx = tid; idx < K * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
+    for (int c = 0; c < kSuperChunks; ++c) {
+      __syncthreads();
+      const float* Mc = Msc + size_t(c) * K * K;
+      float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
+      block_mm_tc<K, K, K, false>([&](int r, int k) { return Mc[k * K + r]; },
+                                  [&](int k, int n) { return Rf[k * LM + n]; },
+                                  [&](int r, int n, float v) { dP[r * K + n] += v; });
+      if (c == kSuperChunks - 1) break;
+      const int64_t t0 = tok0 + int64_t(c) * kChunk;
+      load_w(c);
+      for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
+        const int r = idx / K, d = idx % K;
+        const int64_t o = ((t0 + r) * p.H + h) * K + d;
+        Kt[r * LT + d] = ktp[o];
+        dKs[r * LM + d] = p.dks[o];
+      }
+      __syncthreads();
+      block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
+                                       [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
+                                       [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+      __syncthreads();
+      block_mm_tc<K, K, 2 * kChunk, false>(
+          [&](int r, int k) { return k < kChunk ? -Yf[r * LY + k] : dKs[(k - kChunk) * LM + r]; },
+          [&](int k, int n) { return k < kChunk ? __half2float(Ws[k * LT + n]) : to_f(Kt[(k - kChunk) * LT + n]); },
+          [&](int r, int n, float v) { Rf[r * LM + n] += v; });
+    }
+  }
+}
+
 // One warp per (sequence, query head): inclusive cumsum of g in fp32, 32 positions per step.
 __global__ void gate_cumsum_kernel(KernelParams p, const int32_t* seq_first, int nseqs) {
   const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -250,6 +343,24 @@ static cudaError_t super_t(const KernelParams& p, cudaStream_t s) {
   if (e != cudaSuccess) return e;
   kern<<<dim3(p.nsuper, p.H), kPrepThreads, smem, s>>>(p);
   return cudaGetLastError();
+}
+
+size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64>::bytes : SuperBwdSmem<128>::bytes; }
+
+template <typename T, int K>
+static cudaError_t super_bwd_t(const KernelParams& p, int grid, cudaStream_t s) {
+  const size_t smem = smem_super_bwd(K);
+  auto kern = super_bwd_kernel<T, K>;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  kern<<<grid, kPrepThreads, smem, s>>>(p, p.nsuper * p.H);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int grid, cudaStream_t s) {
+  if (p.nsuper == 0) return cudaSuccess;
+  if (dtype == 0) return p.K == 64 ? super_bwd_t<__half, 64>(p, grid, s) : super_bwd_t<__half, 128>(p, grid, s);
+  return p.K == 64 ? super_bwd_t<__nv_bfloat16, 64>(p, grid, s) : super_bwd_t<__nv_bfloat16, 128>(p, grid, s);
 }
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {

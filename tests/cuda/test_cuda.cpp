@@ -260,6 +260,14 @@ TEST(CudaBackend, Varlen) {
     s.seqlens = {70, 0, 3};
     check_case(s, true, {}, true);
   }
+  // Sequences long enough for the two-level scans (superblocks of 512 keys), one of them ending exactly on
+  // a superblock boundary, with GQA, the gate and beta = 2 everywhere.
+  CaseSpec s = mk(0, 4, 2, 64, 64, true, BetaMode::two, DType::bf16, 13);
+  s.seqlens = {1100, 0, 1536, 7, 600};
+  check_case(s, true, {}, true);
+  s = mk(0, 2, 1, 128, 128, false, BetaMode::uniform02, DType::f16, 14);
+  s.seqlens = {2049, 1024};
+  check_case(s, true, {}, true);
 }
 
 TEST(CudaBackend, PlainAttentionWithoutW) {
@@ -298,7 +306,7 @@ TEST(CudaBackend, AccuracyBar) {
 
 TEST(CudaBackend, RepeatableBitwise) {
   REQUIRE_GPU();
-  CaseSpec s = mk(700, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 41);
+  CaseSpec s = mk(1700, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 41);  // crosses superblocks
   Case c = Case::make(s);
   HostTensor dout = random_dout(c, 42);
   GpuCase gc(c, &dout);
@@ -323,7 +331,7 @@ TEST(CudaBackend, RepeatableBitwise) {
 
 TEST(CudaBackend, DeterministicMatchesDefault) {
   REQUIRE_GPU();
-  CaseSpec s = mk(300, 4, 2, 128, 64, true, BetaMode::uniform02, DType::bf16, 51);
+  CaseSpec s = mk(1300, 4, 2, 128, 64, true, BetaMode::uniform02, DType::bf16, 51);
   Case c = Case::make(s);
   HostTensor dout = random_dout(c, 52);
   GpuCase gc(c, &dout);
