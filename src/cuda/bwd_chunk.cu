@@ -14,7 +14,7 @@
 namespace pathattn::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kTcThreads;
 
 template <int K>
 struct BwdChunkSmem {

@@ -206,6 +206,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+// Waits until at most N of this thread's most recent commit groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Copies `rows` x D elements (2-byte type) of a row-strided global tile into shared memory [64][D + 8];
 // rows >= nvalid are zero-filled. `stride` is the global row stride in elements.
@@ -235,17 +238,21 @@ __device__ __forceinline__ void block_mm(int M, int N, FA a, FB b, FK krange, FO
   }
 }
 
-// Block-level tf32 tensor-core products for the chunk kernels (blockDim.x == 256, 8 warps), M x N outputs
+// Block-level tf32 tensor-core products for the chunk kernels (blockDim.x == 32 kTcWarps), M x N outputs
 // (M, N multiples of 16), inner dimension KD (multiple of 8). Operands come from accessor functions a(r, k)
 // and b(k, c) (shared or global memory, masks folded in, so triangular products pass zeros through the
 // accessors). kX3 splits every operand into a tf32 head and a tf32 tail and sums three products
 // (head*head + head*tail + tail*head): about fp32 accuracy at three times the work, for the products that
-// feed the triangular inverse. Warp tiling (TcTile): M / 16 m-tiles over min(M / 16, 8) warps; the
-// remaining warp factor splits N. A thread owns the same outputs in every product of the same M x N, so
+// feed the triangular inverse. Warp tiling (TcTile): M / 16 m-tiles over min(M / 16, kTcWarps) warps; the
+// remaining warp factor splits N. 16 warps: these kernels are latency-bound at one CTA per SM. A thread owns the same outputs in every product of the same M x N, so
 // several products can accumulate into one register fragment (mma_tc_acc).
+inline constexpr int kTcWarps = 16;
+inline constexpr int kTcThreads = 32 * kTcWarps;
+
 template <int M, int N>
 struct TcTile {
-  static constexpr int MTILES = M / 16, WM = MTILES < 8 ? MTILES : 8, WN = 8 / WM, MPW = MTILES / WM;
+  static constexpr int MTILES = M / 16, WM = MTILES < kTcWarps ? MTILES : kTcWarps, WN = kTcWarps / WM,
+                       MPW = MTILES / WM;
   static constexpr int NTW = N / (8 * WN);
   static_assert(MTILES % WM == 0 && N % (8 * WN) == 0, "TcTile: unsupported tile shape");
   using Acc = float[MPW][NTW][4];
@@ -330,11 +337,13 @@ __device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
   TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
 }
 
-// Column-wise triangular solves for the 64 x 64 chunk matrices, 4 lanes per column (blockDim.x == 256):
-// the 4 lanes split each dot product and reduce with shuffles, so the serial chain is 4x shorter than one
-// thread per column. Every lane runs the same trip count (shuffles need the whole warp).
+// Column-wise triangular solves for the 64 x 64 chunk matrices, 4 lanes per column (threads 0..255 work,
+// whole warps beyond them return at once): the 4 lanes split each dot product and reduce with shuffles, so
+// the serial chain is 4x shorter than one thread per column. Every lane runs the same trip count (shuffles
+// need the whole warp).
 //   unit_lower_inverse: E = (I + A)^-1 for A strictly lower (ld lda), E written with ld lde.
 __device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, float* E, int lde) {
+  if (threadIdx.x >= 256) return;
   const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
   for (int r = part; r < 64; r += 4)
     if (r <= c) E[r * lde + c] = r == c ? 1.f : 0.f;

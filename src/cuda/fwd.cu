@@ -11,14 +11,16 @@ namespace {
 
 // 4 warps x 16 query rows = one 64-row chunk. Per key chunk: S = qt k~^T and O += P V (dtype T),
 // X = qt W^T and qt -= X W2 (fp16). Registers: qt (K/2) + O (V/2) + S (32) + X (32) floats per thread.
-// Two shared-memory stages of (k~, v, w16, w2h) tiles: the next chunk loads while this one computes.
+// Two shared-memory stages of (k~, v) tiles: the next chunk loads while this one computes. One transport
+// region of 2 x 64 rows (K + 8 halves each): the chunk's w16 and w2h, loaded while the chunk's scores run, or
+// a superblock product PS (K rows). About 103 KB at K = V = 128: two CTAs per SM.
 constexpr int kFwdThreads = 128;
 
 template <typename T, int K, int V>
 struct FwdSmem {
   static constexpr int LK = K + 8, LV = V + 8;
   static constexpr size_t bytes = 2 * (size_t(kChunk) * LK * sizeof(T) + size_t(kChunk) * LV * sizeof(T) +
-                                       2 * size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
+                                       size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
 };
 
 // Online-softmax step for a warp's 16 rows; s in log2 units, overwritten with exp2(s - m_new).
@@ -51,9 +53,9 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + 2 * kChunk * LK;
-  __half* Ws = reinterpret_cast<__half*>(Vs + 2 * kChunk * LV);
-  __half* W2s = Ws + 2 * kChunk * LK;
-  float* Gk = reinterpret_cast<float*>(W2s + 2 * kChunk * LK);
+  __half* Ws = reinterpret_cast<__half*>(Vs + 2 * kChunk * LV);  // transport region: Ws, W2s or PS
+  __half* W2s = Ws + kChunk * LK;
+  float* Gk = reinterpret_cast<float*>(W2s + kChunk * LK);
 
   const int item = blockIdx.x;
   const ChunkDesc ch = p.chunks[p.order[item / p.HQ]];
@@ -78,10 +80,6 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
     const bool far = kc < first;
     load_tile_async<K>(Ks + st * kChunk * LK, (far ? ksp : ktp) + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
     load_tile_async<V>(Vs + st * kChunk * LV, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], nvalid);
-    if (p.path && !far) {
-      load_tile_async<K>(Ws + st * kChunk * LK, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
-      load_tile_async<K>(W2s + st * kChunk * LK, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
-    }
     cp_async_commit();
     for (int j = threadIdx.x; j < kChunk; j += blockDim.x)
       Gk[st * kChunk + j] = (p.gate && j < nvalid) ? p.G[(tok + j) * p.HQ + hq] : 0.f;
@@ -134,12 +132,21 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
     const int st = (qc - kc) & 1;
     cp_async_wait_all();
     __syncthreads();
-    // Entering far superblock sb > 0: fetch its product into the w region (both stages, K x (K + 8) halves),
-    // free since the last chunk-level transport; it is used after the superblock's last chunk.
+    // The transport region is free (the previous transport finished before the barrier). A chunk crossed
+    // here has its w16 / w2h fetched now (first commit group, waited for after the scores); entering far
+    // superblock sb > 0 fetches its product, used after the superblock's last chunk.
     const bool far = kc < first;
+    const bool cross_chunk = p.path && kc > 0 && !far;
+    if (cross_chunk) {
+      const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+      load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      cp_async_commit();
+    }
     if (far && kc % kSuperChunks == kSuperChunks - 1 && kc >= kSuperChunks) {
       const __half* src = p.ps + (int64_t(ch.sfirst + kc / kSuperChunks) * p.H + h) * K * K;
       for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, src + r0 * K, K, kChunk);
+      cp_async_commit();
     }
     if (kc > 0) load_chunk(kc - 1, st ^ 1, kChunk);
     const T* Kst = Ks + st * kChunk * LK;
@@ -161,11 +168,13 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
       o[nt][3] *= alpha[1];
     }
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
-    if (p.path && kc > 0 && !far) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
+    if (cross_chunk) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
+      cp_async_wait_group<1>();  // w16 / w2h of chunk kc landed (the next k~, v may still be in flight)
+      __syncthreads();
       float x[8][4];
       zero_acc(x);
-      warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws + st * kChunk * LK, LK, 0);
-      warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s + st * kChunk * LK, LK, 0);
+      warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
+      warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
     } else if (far && kc > 0 && kc % kSuperChunks == 0) {  // across superblock kc / kSuperChunks: qt <- qt PS
       float y[K / 8][4];
       zero_acc(y);
@@ -220,7 +229,7 @@ cudaError_t fwd_dispatch(const KernelParams& p, cudaStream_t s) {
 
 size_t smem_fwd_scan(int K, int V) {
   // Same formula as FwdSmem (the element type of k~ and v is 2 bytes for both fp16 and bf16).
-  return 2 * (size_t(kChunk) * (K + 8) * 2 + size_t(kChunk) * (V + 8) * 2 + 2 * size_t(kChunk) * (K + 8) * 2 +
+  return 2 * (size_t(kChunk) * (K + 8) * 2 + size_t(kChunk) * (V + 8) * 2 + size_t(kChunk) * (K + 8) * 2 +
               kChunk * sizeof(float));
 }
 

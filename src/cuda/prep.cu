@@ -8,7 +8,7 @@
 namespace pathattn::cuda {
 namespace {
 
-constexpr int kPrepThreads = 256;  // 64 x 64 products: 16 outputs per thread
+constexpr int kPrepThreads = kTcThreads;
 
 __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
   return min(kChunk, ch.len - ch.c * kChunk);
