@@ -1,9 +1,12 @@
 // engine/model.cpp: forward and backward of the decoder-only transformer (engine/model.h). Each block:
 //   x_mid = x + Wo attn(rmsnorm(x)),  x_out = x_mid + Wproj swiglu(Wfc rmsnorm(x_mid)).
 // The attention of a block is the library's op (path_attn_fwd / path_attn_bwd): PaTH / PaTH-FoX with w and
-// beta from SPEC.md section 4, FoX with the gate only, RoPE / NoPE as plain causal attention.
+// beta from SPEC.md section 4, FoX with the gate only, RoPE / NoPE as plain causal attention. Inference:
+// prefill (the forward with path_attn_prefill filling a cache per layer) and decode_step (one token, the
+// attention by path_attn_decode), sharing the per-token block code with the forward.
 #include "engine/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -159,7 +162,19 @@ constexpr DType dtype_of() {
 }  // namespace
 
 template <typename T>
-void Model<T>::attention_fwd(LayerActs& a, int64_t B, int64_t T_) {
+DecodeCache Model<T>::cache_view(LayerCache& c) {
+  const int64_t HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K();
+  constexpr DType dt = dtype_of<T>();
+  DecodeCache v;
+  v.kc = make_view(c.kc.data(), dt, {1, H, c.capacity, K});
+  v.vc = make_view(c.vc.data(), dt, {1, H, c.capacity, K});
+  if (attn_has_gate(cfg_.attn)) v.gc = make_view(c.gc.data(), DType::f64, {1, HQ, c.capacity});
+  v.lengths = make_view(&c.len, DType::i64, {1});
+  return v;
+}
+
+template <typename T>
+void Model<T>::attention_fwd(LayerActs& a, int64_t B, int64_t T_, LayerCache* cache) {
   const int64_t HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K();
   constexpr DType dt = dtype_of<T>();
   PathFwdParams p;
@@ -175,9 +190,43 @@ void Model<T>::attention_fwd(LayerActs& a, int64_t B, int64_t T_) {
   p.lse = make_view(a.lse.data(), dt, {B, T_, HQ});
   p.backend = backend;
   p.num_threads = threads;
-  const Status s = path_attn_fwd(p);
+  Status s;
+  if (cache) {
+    PathPrefillParams pp;
+    pp.fwd = p;
+    pp.cache = cache_view(*cache);
+    s = path_attn_prefill(pp);
+  } else {
+    s = path_attn_fwd(p);
+  }
   if (!s.ok())
-    throw EngineError(std::string("attention forward (backend ") + backend_name(backend) + "): " + s.message());
+    throw EngineError(std::string(cache ? "attention prefill" : "attention forward") + " (backend " +
+                      backend_name(backend) + "): " + s.message());
+}
+
+template <typename T>
+void Model<T>::attention_decode(LayerActs& a, LayerCache& c) {
+  const int64_t HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K();
+  constexpr DType dt = dtype_of<T>();
+  PathDecodeParams p;
+  p.q = make_view(a.q.data(), dt, {1, 1, HQ, K});
+  p.k = make_view(a.k.data(), dt, {1, 1, H, K});
+  p.v = make_view(a.v.data(), dt, {1, 1, H, K});
+  if (attn_has_path(cfg_.attn)) {
+    p.w = make_view(a.w.data(), dt, {1, 1, H, K});
+    p.beta = make_view(a.beta.data(), dt, {1, 1, H});
+  }
+  if (attn_has_gate(cfg_.attn)) p.g = make_view(a.g.data(), dt, {1, 1, HQ});
+  a.o.resize(HQ * K);
+  a.lse.resize(HQ);
+  p.o = make_view(a.o.data(), dt, {1, 1, HQ, K});
+  p.lse = make_view(a.lse.data(), dt, {1, 1, HQ});
+  p.cache = cache_view(c);
+  p.backend = backend;
+  p.num_threads = threads;
+  const Status s = path_attn_decode(p);
+  if (!s.ok())
+    throw EngineError(std::string("attention decode (backend ") + backend_name(backend) + "): " + s.message());
 }
 
 template <typename T>
@@ -214,10 +263,82 @@ void Model<T>::attention_bwd(LayerActs& a, const std::vector<T>& dO, std::vector
 }
 
 template <typename T>
+void Model<T>::block_inputs(LayerActs& a, const BlockOffsets& o, int64_t N) {
+  const int64_t C = cfg_.d_model, HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K(), R = cfg_.w_rank;
+  const T* P = params.data();
+  a.ln1.resize(N * C);
+  a.rstd1.resize(N);
+  rmsnorm_fwd(a.x.data(), P + o.ln1, a.ln1.data(), a.rstd1.data(), N, C, cfg_.norm_eps);
+  a.q.resize(N * HQ * K);
+  a.k.resize(N * H * K);
+  a.v.resize(N * H * K);
+  linear_fwd(a.ln1.data(), P + o.wq, (const T*)nullptr, a.q.data(), N, C, HQ * K);
+  linear_fwd(a.ln1.data(), P + o.wk, (const T*)nullptr, a.k.data(), N, C, H * K);
+  linear_fwd(a.ln1.data(), P + o.wv, (const T*)nullptr, a.v.data(), N, C, H * K);
+  if (attn_has_path(cfg_.attn)) {
+    a.wraw.resize(N * H * K);
+    if (R > 0) {
+      a.wlr.resize(N * R);
+      linear_fwd(a.ln1.data(), P + o.ww1, (const T*)nullptr, a.wlr.data(), N, C, R);
+      linear_fwd(a.wlr.data(), P + o.ww2, (const T*)nullptr, a.wraw.data(), N, R, H * K);
+    } else {
+      linear_fwd(a.ln1.data(), P + o.ww1, (const T*)nullptr, a.wraw.data(), N, C, H * K);
+    }
+    a.beta.resize(N * H);
+    linear_fwd(a.ln1.data(), P + o.wb, P + o.bb, a.beta.data(), N, C, H);
+    beta_fwd(a.beta.data(), a.beta.data(), N * H);
+  }
+  if (attn_has_gate(cfg_.attn)) {
+    a.g.resize(N * HQ);
+    linear_fwd(a.ln1.data(), P + o.wg, P + o.bg, a.g.data(), N, C, HQ);
+    logsigmoid_fwd(a.g.data(), a.g.data(), N * HQ);
+  }
+}
+
+template <typename T>
+void Model<T>::block_output(LayerActs& a, const BlockOffsets& o, int64_t N, std::vector<T>& x) {
+  const int64_t C = cfg_.d_model, HQ = cfg_.n_head, K = cfg_.K(), F = cfg_.F();
+  const T* P = params.data();
+  a.xmid = a.x;
+  std::vector<T> tmp(N * C);
+  linear_fwd(a.o.data(), P + o.wo, (const T*)nullptr, tmp.data(), N, HQ * K, C);
+  add_inplace(a.xmid.data(), tmp.data(), N * C);
+  a.ln2.resize(N * C);
+  a.rstd2.resize(N);
+  rmsnorm_fwd(a.xmid.data(), P + o.ln2, a.ln2.data(), a.rstd2.data(), N, C, cfg_.norm_eps);
+  a.h.resize(N * 2 * F);
+  a.m.resize(N * F);
+  linear_fwd(a.ln2.data(), P + o.wfc, (const T*)nullptr, a.h.data(), N, C, 2 * F);
+  swiglu_fwd(a.h.data(), a.m.data(), N, F);
+  x = a.xmid;
+  linear_fwd(a.m.data(), P + o.wproj, (const T*)nullptr, tmp.data(), N, F, C);
+  add_inplace(x.data(), tmp.data(), N * C);
+}
+
+template <typename T>
+void Model<T>::head_fwd(const T* x, std::vector<T>& ln, std::vector<T>& rstd, std::vector<T>& logits, int64_t N) {
+  const int64_t C = cfg_.d_model, Vc = cfg_.vocab_size;
+  const T* P = params.data();
+  ln.resize(N * C);
+  rstd.resize(N);
+  rmsnorm_fwd(x, P + off_lnf_, ln.data(), rstd.data(), N, C, cfg_.norm_eps);
+  logits.resize(N * Vc);
+  if (cfg_.tie_embeddings)
+    cpu::gemm(false, true, N, Vc, C, T(1), ln.data(), C, P + off_wte_, C, T(0), logits.data(), Vc);
+  else
+    linear_fwd(ln.data(), P + off_head_, (const T*)nullptr, logits.data(), N, C, Vc);
+}
+
+template <typename T>
 StepStats Model<T>::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T_, int32_t* pred) {
-  const int64_t N = B * T_, C = cfg_.d_model, HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K(), F = cfg_.F();
-  const int64_t Vc = cfg_.vocab_size, R = cfg_.w_rank;
-  const bool path = attn_has_path(cfg_.attn), gate = attn_has_gate(cfg_.attn);
+  return forward_impl(tokens, targets, B, T_, pred, nullptr);
+}
+
+template <typename T>
+StepStats Model<T>::forward_impl(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T_,
+                                 int32_t* pred, std::vector<LayerCache>* caches) {
+  const int64_t N = B * T_, C = cfg_.d_model, HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K();
+  const int64_t Vc = cfg_.vocab_size;
   for (int64_t n = 0; n < N; ++n)
     if (tokens[n] < 0 || tokens[n] >= Vc)
       throw EngineError("model input: token id " + std::to_string(tokens[n]) + " outside the vocab [0, " +
@@ -236,70 +357,26 @@ StepStats Model<T>::forward(const int32_t* tokens, const int32_t* targets, int64
     LayerActs& a = acts_[l];
     const BlockOffsets& o = lo_[l];
     a.x = x;
-    a.ln1.resize(N * C);
-    a.rstd1.resize(N);
-    rmsnorm_fwd(a.x.data(), P + o.ln1, a.ln1.data(), a.rstd1.data(), N, C, cfg_.norm_eps);
-    a.q.resize(N * HQ * K);
-    a.k.resize(N * H * K);
-    a.v.resize(N * H * K);
-    linear_fwd(a.ln1.data(), P + o.wq, (const T*)nullptr, a.q.data(), N, C, HQ * K);
-    linear_fwd(a.ln1.data(), P + o.wk, (const T*)nullptr, a.k.data(), N, C, H * K);
-    linear_fwd(a.ln1.data(), P + o.wv, (const T*)nullptr, a.v.data(), N, C, H * K);
+    block_inputs(a, o, N);
     if (cfg_.attn == AttnKind::rope) {
       rope_apply(a.q.data(), N, T_, HQ, K, cfg_.rope_theta, false);
       rope_apply(a.k.data(), N, T_, H, K, cfg_.rope_theta, false);
     }
-    if (path) {
-      a.wraw.resize(N * H * K);
-      if (R > 0) {
-        a.wlr.resize(N * R);
-        linear_fwd(a.ln1.data(), P + o.ww1, (const T*)nullptr, a.wlr.data(), N, C, R);
-        linear_fwd(a.wlr.data(), P + o.ww2, (const T*)nullptr, a.wraw.data(), N, R, H * K);
-      } else {
-        linear_fwd(a.ln1.data(), P + o.ww1, (const T*)nullptr, a.wraw.data(), N, C, H * K);
-      }
+    if (attn_has_path(cfg_.attn)) {
       a.wc.resize(N * H * K);
       a.ws.resize(N * H * K);
       a.w.resize(N * H * K);
       a.wrinv.resize(N * H);
       conv3_silu_fwd(a.wraw.data(), P + o.wconv, a.wc.data(), a.ws.data(), N, T_, H * K);
       l2norm_fwd(a.ws.data(), a.w.data(), a.wrinv.data(), N, H, K, 1e-6);
-      a.beta.resize(N * H);
-      linear_fwd(a.ln1.data(), P + o.wb, P + o.bb, a.beta.data(), N, C, H);
-      beta_fwd(a.beta.data(), a.beta.data(), N * H);
-    }
-    if (gate) {
-      a.g.resize(N * HQ);
-      linear_fwd(a.ln1.data(), P + o.wg, P + o.bg, a.g.data(), N, C, HQ);
-      logsigmoid_fwd(a.g.data(), a.g.data(), N * HQ);
     }
     a.o.resize(N * HQ * K);
     a.lse.resize(N * HQ);
-    attention_fwd(a, B, T_);
-    a.xmid = a.x;
-    std::vector<T> tmp(N * C);
-    linear_fwd(a.o.data(), P + o.wo, (const T*)nullptr, tmp.data(), N, HQ * K, C);
-    add_inplace(a.xmid.data(), tmp.data(), N * C);
-    a.ln2.resize(N * C);
-    a.rstd2.resize(N);
-    rmsnorm_fwd(a.xmid.data(), P + o.ln2, a.ln2.data(), a.rstd2.data(), N, C, cfg_.norm_eps);
-    a.h.resize(N * 2 * F);
-    a.m.resize(N * F);
-    linear_fwd(a.ln2.data(), P + o.wfc, (const T*)nullptr, a.h.data(), N, C, 2 * F);
-    swiglu_fwd(a.h.data(), a.m.data(), N, F);
-    x = a.xmid;
-    linear_fwd(a.m.data(), P + o.wproj, (const T*)nullptr, tmp.data(), N, F, C);
-    add_inplace(x.data(), tmp.data(), N * C);
+    attention_fwd(a, B, T_, caches ? &(*caches)[l] : nullptr);
+    block_output(a, o, N, x);
   }
   xfinal_ = x;
-  lnf_.resize(N * C);
-  rstdf_.resize(N);
-  rmsnorm_fwd(xfinal_.data(), P + off_lnf_, lnf_.data(), rstdf_.data(), N, C, cfg_.norm_eps);
-  logits_.resize(N * Vc);
-  if (cfg_.tie_embeddings)
-    cpu::gemm(false, true, N, Vc, C, T(1), lnf_.data(), C, P + off_wte_, C, T(0), logits_.data(), Vc);
-  else
-    linear_fwd(lnf_.data(), P + off_head_, (const T*)nullptr, logits_.data(), N, C, Vc);
+  head_fwd(xfinal_.data(), lnf_, rstdf_, logits_, N);
   const CeStats ce = cross_entropy(logits_.data(), targets_.data(), (T*)nullptr, pred, N, Vc, 1.0);
   count_ = ce.count;
   StepStats st;
@@ -307,6 +384,75 @@ StepStats Model<T>::forward(const int32_t* tokens, const int32_t* targets, int64
   st.correct = ce.correct;
   st.loss = ce.count > 0 ? ce.loss_sum / double(ce.count) : 0.0;
   return st;
+}
+
+template <typename T>
+const T* Model<T>::prefill(const int32_t* tokens, int64_t T_, int64_t capacity) {
+  const int64_t HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K(), D = H * K, Vc = cfg_.vocab_size;
+  if (T_ < 1 || capacity < T_)
+    throw EngineError("prefill: expected 1 <= prompt length <= capacity, got " + std::to_string(T_) + " tokens and "
+                      "capacity " + std::to_string(capacity));
+  caches_.assign(cfg_.n_layer, LayerCache());
+  dec_len_ = 0;
+  for (LayerCache& c : caches_) {
+    c.capacity = capacity;
+    c.kc.assign(H * capacity * K, T(0));
+    c.vc.assign(H * capacity * K, T(0));
+    if (attn_has_gate(cfg_.attn)) c.gc.assign(HQ * capacity, 0.0);
+  }
+  forward_impl(tokens, nullptr, 1, T_, nullptr, &caches_);
+  if (attn_has_path(cfg_.attn)) {
+    for (int l = 0; l < cfg_.n_layer; ++l) {  // the conv of the next token reads the last two raw w rows
+      const std::vector<T>& wraw = acts_[l].wraw;
+      caches_[l].wprev.assign(wraw.begin() + std::max<int64_t>(0, T_ - 2) * D, wraw.begin() + T_ * D);
+    }
+  }
+  dec_len_ = T_;
+  return logits_.data() + (T_ - 1) * Vc;
+}
+
+template <typename T>
+const T* Model<T>::decode_step(int32_t token) {
+  const int64_t C = cfg_.d_model, HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K(), D = H * K, Vc = cfg_.vocab_size;
+  if (caches_.empty()) throw EngineError("decode_step: no prefill before the first step");
+  if (dec_len_ >= caches_[0].capacity)
+    throw EngineError("decode_step: the cache is full (" + std::to_string(dec_len_) + " tokens, the capacity given "
+                      "to prefill)");
+  if (token < 0 || token >= Vc)
+    throw EngineError("model input: token id " + std::to_string(token) + " outside the vocab [0, " +
+                      std::to_string(Vc) + ")");
+  const T* P = params.data();
+  LayerActs& a = step_;
+  step_x_.resize(C);
+  embedding_fwd(&token, P + off_wte_, step_x_.data(), 1, C);
+  for (int l = 0; l < cfg_.n_layer; ++l) {
+    const BlockOffsets& o = lo_[l];
+    LayerCache& c = caches_[l];
+    a.x = step_x_;
+    block_inputs(a, o, 1);
+    if (cfg_.attn == AttnKind::rope) {
+      rope_apply_at(a.q.data(), 1, 1, dec_len_, HQ, K, cfg_.rope_theta, false);
+      rope_apply_at(a.k.data(), 1, 1, dec_len_, H, K, cfg_.rope_theta, false);
+    }
+    if (attn_has_path(cfg_.attn)) {
+      // The forward's conv over the window [last <= 2 rows, this row] (as one sequence of nw rows): its last
+      // row sees exactly the taps position dec_len_ sees in a full forward.
+      c.wprev.insert(c.wprev.end(), a.wraw.begin(), a.wraw.begin() + D);
+      const int64_t nw = int64_t(c.wprev.size()) / D;
+      a.wc.resize(nw * D);
+      a.ws.resize(nw * D);
+      a.w.resize(D);
+      a.wrinv.resize(H);
+      conv3_silu_fwd(c.wprev.data(), P + o.wconv, a.wc.data(), a.ws.data(), nw, nw, D);
+      l2norm_fwd(a.ws.data() + (nw - 1) * D, a.w.data(), a.wrinv.data(), 1, H, K, 1e-6);
+      if (nw == 3) c.wprev.erase(c.wprev.begin(), c.wprev.begin() + D);
+    }
+    attention_decode(a, c);
+    block_output(a, o, 1, step_x_);
+  }
+  ++dec_len_;
+  head_fwd(step_x_.data(), step_lnf_, step_rstdf_, step_logits_, 1);
+  return step_logits_.data();
 }
 
 template <typename T>

@@ -9,6 +9,7 @@
 
 #include "engine/config.h"
 #include "engine/ops.h"
+#include "pathattn/decode.h"
 #include "pathattn/types.h"
 
 namespace pathattn::engine {
@@ -62,6 +63,19 @@ class Model {
   // Logits [B, T, vocab] of the last forward.
   const std::vector<T>& logits() const { return logits_; }
 
+  // Incremental inference for one sequence with the attention decode cache (SPEC.md section 6).
+  // prefill: forward() over the prompt tokens [T] (T >= 1; its activations are kept as forward() keeps them)
+  // that also fills one decode cache per layer, with room for `capacity` >= T tokens; returns the logits
+  // [vocab] of the prompt's last position. decode_step: one more token through every block (the attention by
+  // path_attn_decode against the cache, everything else by the same per-token code as forward(); RoPE at the
+  // token's absolute position; the PaTH conv over the last two raw w rows kept per layer); returns its logits
+  // [vocab]. A returned pointer stays valid until the next prefill / decode_step. Nothing here depends on
+  // task.seq_len: only `capacity` bounds the length. Throws EngineError on a token outside the vocab, a
+  // decode_step without a prefill or with a full cache, or an attention error.
+  const T* prefill(const int32_t* tokens, int64_t T_, int64_t capacity);
+  const T* decode_step(int32_t token);
+  int64_t cached_tokens() const { return dec_len_; }  // tokens in the caches (prompt + decoded)
+
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamInfo>& layout() const { return layout_; }
   T* param(const std::string& name);
@@ -76,7 +90,29 @@ class Model {
     std::vector<T> x, ln1, rstd1, q, k, v, wlr, wraw, wc, ws, w, wrinv, beta, g, o, lse;
     std::vector<T> xmid, ln2, rstd2, h, m;
   };
-  void attention_fwd(LayerActs& a, int64_t B, int64_t T_);
+  // Inference state of one layer: the attention cache (kc, vc [1, H, capacity, K] in T: f32 for float models,
+  // f64 for double, as decode.h asks; gc [1, HQ, capacity] f64 with a gate; len = lengths[0]) and the raw w
+  // rows [<= 2, H*K] of the last tokens, what the width-3 causal conv of the next token reads.
+  struct LayerCache {
+    std::vector<T> kc, vc;
+    std::vector<double> gc;
+    int64_t len = 0, capacity = 0;
+    std::vector<T> wprev;
+  };
+  DecodeCache cache_view(LayerCache& c);
+
+  StepStats forward_impl(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T_, int32_t* pred,
+                         std::vector<LayerCache>* caches);
+  // The per-token pieces of a block shared by forward() and decode_step(), over N rows of a.x:
+  //   block_inputs: ln1 = rmsnorm(x); q, k, v; the raw w projection (wlr, wraw); beta; g.
+  //   block_output: x = x_mid + Wproj swiglu(Wfc rmsnorm(x_mid)), x_mid = a.x + Wo a.o (keeps xmid, ln2, h, m).
+  //   head_fwd:     logits [N, vocab] = LM head of rmsnorm(x) (ln, rstd kept).
+  void block_inputs(LayerActs& a, const BlockOffsets& o, int64_t N);
+  void block_output(LayerActs& a, const BlockOffsets& o, int64_t N, std::vector<T>& x);
+  void head_fwd(const T* x, std::vector<T>& ln, std::vector<T>& rstd, std::vector<T>& logits, int64_t N);
+  // path_attn_fwd over [B, T_] rows, or path_attn_prefill into `cache` when given (B = 1).
+  void attention_fwd(LayerActs& a, int64_t B, int64_t T_, LayerCache* cache = nullptr);
+  void attention_decode(LayerActs& a, LayerCache& c);
   void attention_bwd(LayerActs& a, const std::vector<T>& dO, std::vector<T>& dq, std::vector<T>& dk,
                      std::vector<T>& dv, std::vector<T>& dw, std::vector<T>& dbeta, std::vector<T>& dg,
                      int64_t B, int64_t T_);
@@ -91,6 +127,11 @@ class Model {
   std::vector<LayerActs> acts_;
   std::vector<T> xfinal_, lnf_, rstdf_, logits_;
   int64_t count_ = 0;
+  // Inference: per-layer caches, the tokens they hold, one token's activations and logits.
+  std::vector<LayerCache> caches_;
+  int64_t dec_len_ = 0;
+  LayerActs step_;
+  std::vector<T> step_x_, step_lnf_, step_rstdf_, step_logits_;
 };
 
 extern template class Model<float>;

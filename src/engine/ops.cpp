@@ -101,10 +101,10 @@ void swiglu_bwd(const T* h, const T* dm, T* dh, int64_t N, int64_t F) {
 }
 
 template <typename T>
-void rope_apply(T* x, int64_t N, int64_t T_, int64_t NH, int64_t K, double theta, bool inverse) {
+void rope_apply_at(T* x, int64_t N, int64_t T_, int64_t pos0, int64_t NH, int64_t K, double theta, bool inverse) {
   const int64_t half = K / 2;
   for (int64_t n = 0; n < N; ++n) {
-    const double pos = double(n % T_);
+    const double pos = double(pos0 + n % T_);
     for (int64_t i = 0; i < half; ++i) {
       const double ang = pos * std::pow(theta, -2.0 * double(i) / double(K));
       const T c = T(std::cos(ang)), s = T(inverse ? -std::sin(ang) : std::sin(ang));
@@ -116,6 +116,11 @@ void rope_apply(T* x, int64_t N, int64_t T_, int64_t NH, int64_t K, double theta
       }
     }
   }
+}
+
+template <typename T>
+void rope_apply(T* x, int64_t N, int64_t T_, int64_t NH, int64_t K, double theta, bool inverse) {
+  rope_apply_at(x, N, T_, 0, NH, K, theta, inverse);
 }
 
 template <typename T>
@@ -240,6 +245,7 @@ CeStats cross_entropy(const T* logits, const int32_t* targets, T* dlogits, int32
   template void swiglu_fwd<T>(const T*, T*, int64_t, int64_t);                                                 \
   template void swiglu_bwd<T>(const T*, const T*, T*, int64_t, int64_t);                                       \
   template void rope_apply<T>(T*, int64_t, int64_t, int64_t, int64_t, double, bool);                           \
+  template void rope_apply_at<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool);              \
   template void conv3_silu_fwd<T>(const T*, const T*, T*, T*, int64_t, int64_t, int64_t);                      \
   template void conv3_silu_bwd<T>(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, int64_t);  \
   template void l2norm_fwd<T>(const T*, T*, T*, int64_t, int64_t, int64_t, double);                            \

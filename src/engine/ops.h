@@ -45,6 +45,10 @@ void swiglu_bwd(const T* h, const T* dm, T* dh, int64_t N, int64_t F);
 // pos = row % T). `inverse` rotates by the negative angle: that is the backward (dx = R^T dy).
 template <typename T>
 void rope_apply(T* x, int64_t N, int64_t T_, int64_t NH, int64_t K, double theta, bool inverse);
+// The same rotation with positions shifted: pos = pos0 + row % T (decode: one row at its absolute position,
+// N = T = 1, pos0 = the tokens before it). rope_apply is rope_apply_at with pos0 = 0, bit for bit.
+template <typename T>
+void rope_apply_at(T* x, int64_t N, int64_t T_, int64_t pos0, int64_t NH, int64_t K, double theta, bool inverse);
 
 // Causal depthwise convolution of width 3 over time within each sequence, then SiLU:
 //   c[b, t, ch] = sum_{s=0..2} wc[ch, s] x[b, t - 2 + s, ch]  (zero before t = 0);  y = silu(c).

@@ -228,10 +228,13 @@ std::string sample_typed(const CheckpointInfo& ck, const std::string& prompt, in
   if (ctx.empty()) ctx.push_back(0);
   Rng rng(seed);
   std::string out;
+  if (n <= 0) return out;
   const int64_t Vc = cfg.model.vocab_size;
+  // The prompt's forward fills the decode caches (room for every token to come); each generated token is
+  // then one decode step, O(length) instead of a full forward over the whole context.
+  const T* l = model.prefill(ctx.data(), int64_t(ctx.size()), int64_t(ctx.size()) + n);
   for (int i = 0; i < n; ++i) {
-    model.forward(ctx.data(), nullptr, 1, int64_t(ctx.size()));
-    const T* l = model.logits().data() + (int64_t(ctx.size()) - 1) * Vc;
+    if (i > 0) l = model.decode_step(ctx.back());
     int32_t next = 0;
     if (temperature <= 0) {
       next = int32_t(std::max_element(l, l + Vc) - l);

@@ -30,7 +30,8 @@ nlohmann::json repro_a5(const ReproOptions& o);
 nlohmann::json repro_mqrar(const ReproOptions& o);
 
 // Samples `n` tokens after `prompt` from a checkpoint (temperature 0: greedy; top_k 0: no cut). Returns the
-// decoded continuation. Re-runs the full forward per token (fine for the small models trained here).
+// decoded continuation. The prompt is prefilled into the model's decode caches (Model::prefill) and each
+// token after the first is one Model::decode_step; the length is not capped at the config's seq_len.
 std::string sample_checkpoint(const std::string& path, const std::string& prompt, int n, double temperature,
                               int top_k, uint64_t seed, const std::string& backend, int threads);
 
