@@ -73,13 +73,7 @@ struct BwdK {
     const bool far = p.path && last_sb > sbk;
     const int lastl = far ? sbk * kSuperChunks + kSuperChunks - 1 : last;
     auto park = [&](const float (&kt)[K / 8][4], int slot) {
-      __half* dst = scratch + size_t(slot) * kChunk * K;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt)
-          *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
-              __floats2half2_rn(kt[nt][2 * hr], kt[nt][2 * hr + 1]);
+      store_tile_half<K>(scratch + size_t(slot) * kChunk * K, K, kt);
     };
     auto load_ps = [&](int a) {
       const __half* ps = p.ps + (int64_t(ch.sfirst + a) * p.H + h) * K * K;

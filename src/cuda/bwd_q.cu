@@ -84,15 +84,7 @@ struct BwdQ {
           qt[nt][2 * hr + 1] = v2.y;
         }
       }
-      auto park = [&](int slot) {
-        __half* dst = scratch + size_t(slot) * kChunk * K;
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-          for (int nt = 0; nt < K / 8; ++nt)
-            *reinterpret_cast<__half2*>(dst + rr[hr] * K + 8 * nt + 2 * t4) =
-                __floats2half2_rn(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
-      };
+      auto park = [&](int slot) { store_tile_half<K>(scratch + size_t(slot) * kChunk * K, K, qt); };
       for (int kc = qc - 1; kc >= first; --kc) {
         park(kc);
         if (kc == 0) break;

@@ -198,6 +198,19 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
     for (int c = 0; c < 4; ++c) acc[b][c] = 0.f;
 }
 
+// Stores a warp's 16-row register tile (C layout of KN / 8 n-tiles, rows 16 warp + g and + 8) to a row-major
+// fp16 matrix with leading dimension ld: the per-CTA scratch snapshots of transported query / key tiles.
+template <int KN>
+__device__ __forceinline__ void store_tile_half(__half* dst, int ld, const float (&x)[KN / 8][4]) {
+  const int lane = threadIdx.x & 31, row = 16 * (threadIdx.x >> 5) + (lane >> 2), t4 = lane & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int nt = 0; nt < KN / 8; ++nt)
+      *reinterpret_cast<__half2*>(dst + (row + 8 * hr) * ld + 8 * nt + 2 * t4) =
+          __floats2half2_rn(x[nt][2 * hr], x[nt][2 * hr + 1]);
+}
+
 // ----------------------------------------------------------------------------------------------------
 // cp.async: 16-byte global -> shared copies; src_bytes = 0 zero-fills (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {

@@ -115,6 +115,20 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
   }
 }
 
+// M <- M P_c = M - (M W_c^T) W2_c for a K x K fp32 matrix M in shared memory (leading dim LM), through the
+// K x 64 buffer Y (leading dim LY), with the chunk's fp16 W and W2 tiles (leading dim LT). Ends after the
+// products' last write to M: callers sync before reading M.
+template <int K, int LM, int LY, int LT>
+__device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, const __half* Ws, const __half* W2s) {
+  block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Mf[r * LM + k]; },
+                                   [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
+                                   [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+  __syncthreads();
+  block_mm_tc<K, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
+                                   [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
+                                   [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
+}
+
 // Per (full superblock, kv head): walks the superblock's chunks from the last down with the running product
 // M = P_last ... P_{c+1} (fp32 in shared memory, tf32 mma): ks_c = k~_c M^T, then M <- M P_c =
 // M - (M W_c^T) W2_c with the fp16 W, W2 of the chunk (the same operands the scans transport with).
@@ -158,14 +172,7 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
     block_mm_tc<kChunk, K, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
                                   [&](int k, int n) { return Mf[n * LM + k]; },
                                   [&](int r, int n, float v) { ksp[((t0 + r) * p.H + h) * K + n] = from_f<T>(v); });
-    // Y = M W_c^T, then M -= Y W2_c.
-    block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Mf[r * LM + k]; },
-                                  [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
-                                  [&](int r, int n, float v) { Yf[r * LY + n] = v; });
-    __syncthreads();
-    block_mm_tc<K, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
-                             [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
-                             [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
+    right_mul_chunk_product<K, LM, LY, LT>(Mf, Yf, Ws, W2s);
   }
   __syncthreads();
   __half* out = p.ps + (int64_t(blockIdx.x) * p.H + h) * K * K;
@@ -224,13 +231,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       if (c == 0) break;
       load_w(c);
       __syncthreads();
-      block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
-                                       [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
-                                       [&](int r, int n, float v) { Yf[r * LY + n] = v; });
-      __syncthreads();
-      block_mm_tc<K, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
-                                       [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
-                                       [&](int r, int n, float v) { Rf[r * LM + n] -= v; });
+      right_mul_chunk_product<K, LM, LY, LT>(Rf, Yf, Ws, W2s);
     }
     // ---- pass 2: R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
     __syncthreads();
