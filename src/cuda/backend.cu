@@ -30,7 +30,7 @@ struct Tables {
   std::vector<ChunkDesc> chunks;
   std::vector<int32_t> order;      // chunk indices, descending chunk index c (most scan work first)
   std::vector<int32_t> seq_first;  // each sequence's chunk 0
-  std::vector<int32_t> super_first;  // each full superblock's first chunk
+  std::vector<int32_t> super_first;  // first chunk of each superblock a later query reaches across
   int max_chunks = 0;
 };
 
@@ -42,8 +42,10 @@ Tables build_tables(const core::Problem& pr) {
     t.seq_first.push_back(first);
     t.max_chunks = std::max(t.max_chunks, nc);
     for (int c = 0; c < nc; ++c) t.chunks.push_back({s.b, s.t0, int32_t(s.len), c, first, sfirst});
-    const int nsuper = int(s.len / kChunk) / kSuperChunks;  // superblocks of kSuperChunks full chunks
-    for (int sb = 0; sb < nsuper; ++sb) t.super_first.push_back(first + sb * kSuperChunks);
+    // Superblocks that some later query reaches across (sb ends before the sequence does): a query in
+    // superblock a uses the keys and products of superblocks sb < a only, so the last one never counts.
+    const int64_t super_len = int64_t(kSuperChunks) * kChunk;
+    for (int sb = 0; (sb + 1) * super_len < s.len; ++sb) t.super_first.push_back(first + sb * kSuperChunks);
   }
   t.order.resize(t.chunks.size());
   for (size_t i = 0; i < t.order.size(); ++i) t.order[i] = int32_t(i);

@@ -56,7 +56,8 @@ struct KernelParams {
   // Chunk table (device) and the order in which the scan kernels take chunks (most work first).
   const ChunkDesc* chunks;
   const int32_t* order;
-  // Full superblocks (kSuperChunks complete chunks): the chunk-table index of each one's first chunk.
+  // Superblocks a later query of the same sequence reaches across (each is kSuperChunks complete chunks):
+  // the chunk-table index of each one's first chunk. A sequence's are consecutive, from its superblock 0.
   const int32_t* super_first;
   int nsuper;
 
