@@ -15,18 +15,14 @@
 #include "engine/embedded.h"
 #include "engine/run.h"
 #include "engine/tasks.h"
+#include "engine_fixtures.h"
 
 namespace pathattn::engine {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("pathattn_engine_err_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
+using test::temp_dir;
 
 void write(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);

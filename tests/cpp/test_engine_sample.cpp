@@ -22,18 +22,15 @@
 #include "engine/rng.h"
 #include "engine/run.h"
 #include "engine/tasks.h"
+#include "engine_fixtures.h"
 
 namespace pathattn::engine {
 namespace {
 
 namespace fs = std::filesystem;
 
-// Tiny models: BLAS single-threaded (see test_engine_train.cpp, the same reason).
-class SingleThreaded : public ::testing::Environment {
- public:
-  void SetUp() override { openblas_set_num_threads(1); }
-};
-const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new SingleThreaded);
+const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new test::SingleThreadedBlas);
+using test::temp_dir;
 
 // Bounds on max |decode logit - forward logit| / max |forward logit| per position (docs/numerics.md, engine
 // rows). fp64: both sides are exact fp64 arithmetic in a different order (the oracle forward against the
@@ -194,31 +191,14 @@ std::string sample_full_forward(const std::string& path, const std::string& prom
   return out;
 }
 
-std::string temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("pathattn_sample_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
-
 // A flip-flop model briefly trained (64-token training sequences, width 32); returns its checkpoint path.
 std::string train_tiny(const std::string& dir, AttnKind attn, const std::string& dtype, const std::string& backend) {
-  RunConfig c;
-  c.model.attn = attn;
-  c.model.d_model = 32;
-  c.model.n_head = 2;
-  c.model.n_layer = 1;
-  c.task.name = "flipflop";
-  c.task.seq_len = 64;
-  c.task.eval_id = 8;
-  c.task.eval_sparse = 8;
-  c.task.eval_dense = 8;
+  RunConfig c = test::tiny_flipflop(attn);
+  c.task.eval_id = c.task.eval_sparse = c.task.eval_dense = 8;
   c.train.steps = 40;
   c.train.batch_size = 8;
-  c.train.lr = 1e-2;
   c.train.warmup_steps = 5;
   c.train.log_every = 40;
-  c.train.threads = 1;
   c.train.dtype = dtype;
   c.train.backend = backend;
   RunOptions ro;

@@ -17,47 +17,16 @@
 #include "engine/optim.h"
 #include "engine/run.h"
 #include "engine/tasks.h"
+#include "engine_fixtures.h"
 
 namespace pathattn::engine {
 namespace {
 
 namespace fs = std::filesystem;
 
-// The tiny models here gain nothing from threads, and idle OpenMP threads spinning between the many short
-// parallel regions slow a shared CI machine several-fold: run BLAS and the attention op single-threaded.
-class SingleThreaded : public ::testing::Environment {
- public:
-  void SetUp() override { openblas_set_num_threads(1); }
-};
-const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new SingleThreaded);
-
-std::string temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("pathattn_engine_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
-
-// A small flip-flop setup: 64-token sequences, width 32. Cheap enough for CI on two cores.
-RunConfig tiny_flipflop(AttnKind attn) {
-  RunConfig c;
-  c.model.attn = attn;
-  c.model.d_model = 32;
-  c.model.n_head = 2;
-  c.model.n_layer = 1;
-  c.task.name = "flipflop";
-  c.task.seq_len = 64;
-  c.task.eval_id = 64;
-  c.task.eval_sparse = 64;
-  c.task.eval_dense = 16;
-  c.train.steps = 150;
-  c.train.batch_size = 16;
-  c.train.lr = 1e-2;
-  c.train.warmup_steps = 10;
-  c.train.log_every = 10;
-  c.train.threads = 1;
-  return c;
-}
+const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new test::SingleThreadedBlas);
+using test::temp_dir;
+using test::tiny_flipflop;
 
 TEST(EngineTrain, TinyFlipFlopLearns) {
   // Guessing a bit gives loss ln 2 = 0.693 and 50% error; the trained model must be far below both
