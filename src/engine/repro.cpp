@@ -235,32 +235,32 @@ std::string sample_typed(const CheckpointInfo& ck, const std::string& prompt, in
   const T* l = model.prefill(ctx.data(), int64_t(ctx.size()), int64_t(ctx.size()) + n);
   for (int i = 0; i < n; ++i) {
     if (i > 0) l = model.decode_step(ctx.back());
-    int32_t next = 0;
-    if (temperature <= 0) {
-      next = int32_t(std::max_element(l, l + Vc) - l);
-    } else {
-      std::vector<std::pair<double, int32_t>> c;
-      for (int64_t v = 0; v < Vc; ++v) c.push_back({double(l[v]) / temperature, int32_t(v)});
-      std::sort(c.begin(), c.end(), [](auto& a, auto& b) { return a.first > b.first; });
-      if (top_k > 0 && int64_t(c.size()) > top_k) c.resize(size_t(top_k));
-      double sum = 0;
-      for (auto& [s, v] : c) sum += std::exp(s - c[0].first);
-      double u = rng.uniform() * sum;
-      next = c.back().second;
-      for (auto& [s, v] : c) {
-        u -= std::exp(s - c[0].first);
-        if (u <= 0) {
-          next = v;
-          break;
-        }
-      }
-    }
+    const int32_t next = choose_token(l, Vc, temperature, top_k, rng);
     ctx.push_back(next);
     out += task->token_str(next);
   }
   return out;
 }
 }  // namespace
+
+template <typename T>
+int32_t choose_token(const T* l, int64_t vocab, double temperature, int top_k, Rng& rng) {
+  if (temperature <= 0) return int32_t(std::max_element(l, l + vocab) - l);
+  std::vector<std::pair<double, int32_t>> c;
+  for (int64_t v = 0; v < vocab; ++v) c.push_back({double(l[v]) / temperature, int32_t(v)});
+  std::sort(c.begin(), c.end(), [](auto& a, auto& b) { return a.first > b.first; });
+  if (top_k > 0 && int64_t(c.size()) > top_k) c.resize(size_t(top_k));
+  double sum = 0;
+  for (auto& [s, v] : c) sum += std::exp(s - c[0].first);
+  double u = rng.uniform() * sum;
+  for (auto& [s, v] : c) {
+    u -= std::exp(s - c[0].first);
+    if (u <= 0) return v;
+  }
+  return c.back().second;
+}
+template int32_t choose_token<float>(const float*, int64_t, double, int, Rng&);
+template int32_t choose_token<double>(const double*, int64_t, double, int, Rng&);
 
 std::string sample_checkpoint(const std::string& path, const std::string& prompt, int n, double temperature,
                               int top_k, uint64_t seed, const std::string& backend, int threads) {

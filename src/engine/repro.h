@@ -29,6 +29,13 @@ nlohmann::json repro_flipflop(const ReproOptions& o);
 nlohmann::json repro_a5(const ReproOptions& o);
 nlohmann::json repro_mqrar(const ReproOptions& o);
 
+class Rng;
+
+// The next token from one row of logits: argmax at temperature <= 0, otherwise a draw from
+// softmax(logits / temperature) restricted to the top_k largest (top_k <= 0: all), one rng.uniform() per call.
+template <typename T>
+int32_t choose_token(const T* logits, int64_t vocab, double temperature, int top_k, Rng& rng);
+
 // Samples `n` tokens after `prompt` from a checkpoint (temperature 0: greedy; top_k 0: no cut). Returns the
 // decoded continuation. The prompt is prefilled into the model's decode caches (Model::prefill) and each
 // token after the first is one Model::decode_step; the length is not capped at the config's seq_len.

@@ -165,26 +165,7 @@ std::string sample_full_forward(const std::string& path, const std::string& prom
   for (int i = 0; i < n; ++i) {
     model.forward(ctx.data(), nullptr, 1, int64_t(ctx.size()));
     const T* l = model.logits().data() + (int64_t(ctx.size()) - 1) * Vc;
-    int32_t next = 0;
-    if (temperature <= 0) {
-      next = int32_t(std::max_element(l, l + Vc) - l);
-    } else {
-      std::vector<std::pair<double, int32_t>> c;
-      for (int64_t v = 0; v < Vc; ++v) c.push_back({double(l[v]) / temperature, int32_t(v)});
-      std::sort(c.begin(), c.end(), [](auto& a, auto& b) { return a.first > b.first; });
-      if (top_k > 0 && int64_t(c.size()) > top_k) c.resize(size_t(top_k));
-      double sum = 0;
-      for (auto& [s, v] : c) sum += std::exp(s - c[0].first);
-      double u = rng.uniform() * sum;
-      next = c.back().second;
-      for (auto& [s, v] : c) {
-        u -= std::exp(s - c[0].first);
-        if (u <= 0) {
-          next = v;
-          break;
-        }
-      }
-    }
+    const int32_t next = choose_token(l, Vc, temperature, top_k, rng);
     ctx.push_back(next);
     out += task->token_str(next);
   }
