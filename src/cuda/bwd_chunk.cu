@@ -238,12 +238,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
 
 template <typename T, int K>
 cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
-  const size_t smem = BwdChunkSmem<K>::bytes;
-  auto kern = bwd_chunk_kernel<T, K>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e != cudaSuccess) return e;
-  kern<<<dim3(p.nchunks, p.H), kThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(bwd_chunk_kernel<T, K>, dim3(p.nchunks, p.H), kThreads, BwdChunkSmem<K>::bytes, s, p);
 }
 
 }  // namespace

@@ -211,6 +211,17 @@ __device__ __forceinline__ void store_tile_half(__half* dst, int ld, const float
           __floats2half2_rn(x[nt][2 * hr], x[nt][2 * hr + 1]);
 }
 
+// Host side: opts the kernel in to `smem` bytes of dynamic shared memory, launches it, and returns the first
+// error (the attribute call's or the launch's).
+template <class... P, class... A>
+inline cudaError_t launch_with_smem(void (*kern)(P...), dim3 grid, int threads, size_t smem, cudaStream_t s,
+                                    A... args) {
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  kern<<<grid, threads, smem, s>>>(args...);
+  return cudaGetLastError();
+}
+
 // ----------------------------------------------------------------------------------------------------
 // cp.async: 16-byte global -> shared copies; src_bytes = 0 zero-fills (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {

@@ -209,12 +209,8 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
 
 template <typename T, int K, int V>
 cudaError_t fwd_t(const KernelParams& p, cudaStream_t s) {
-  const size_t smem = FwdSmem<T, K, V>::bytes;
-  auto kern = fwd_scan_kernel<T, K, V>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e != cudaSuccess) return e;
-  kern<<<unsigned(int64_t(p.nchunks) * p.HQ), kFwdThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(fwd_scan_kernel<T, K, V>, dim3(unsigned(int64_t(p.nchunks) * p.HQ)), kFwdThreads,
+                          FwdSmem<T, K, V>::bytes, s, p);
 }
 
 template <typename T>

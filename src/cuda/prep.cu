@@ -338,24 +338,14 @@ size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSme
 
 template <typename T, int K>
 static cudaError_t super_t(const KernelParams& p, cudaStream_t s) {
-  const size_t smem = smem_super_prep(K);
-  auto kern = super_prep_kernel<T, K>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e != cudaSuccess) return e;
-  kern<<<dim3(p.nsuper, p.H), kPrepThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(super_prep_kernel<T, K>, dim3(p.nsuper, p.H), kPrepThreads, smem_super_prep(K), s, p);
 }
 
 size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64>::bytes : SuperBwdSmem<128>::bytes; }
 
 template <typename T, int K>
 static cudaError_t super_bwd_t(const KernelParams& p, int grid, cudaStream_t s) {
-  const size_t smem = smem_super_bwd(K);
-  auto kern = super_bwd_kernel<T, K>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e != cudaSuccess) return e;
-  kern<<<grid, kPrepThreads, smem, s>>>(p, p.nsuper * p.H);
-  return cudaGetLastError();
+  return launch_with_smem(super_bwd_kernel<T, K>, dim3(grid), kPrepThreads, smem_super_bwd(K), s, p, p.nsuper * p.H);
 }
 
 cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int grid, cudaStream_t s) {
@@ -372,12 +362,7 @@ cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) 
 
 template <typename T, int K>
 static cudaError_t prep_t(const KernelParams& p, cudaStream_t s) {
-  const size_t smem = smem_chunk_prep(K);
-  auto kern = chunk_prep_kernel<T, K>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e != cudaSuccess) return e;
-  kern<<<dim3(p.nchunks, p.H), kPrepThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(chunk_prep_kernel<T, K>, dim3(p.nchunks, p.H), kPrepThreads, smem_chunk_prep(K), s, p);
 }
 
 cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s) {
