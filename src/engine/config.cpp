@@ -143,6 +143,8 @@ void read_task(const json& j, TaskConfig* t) {
   s.get("eval_sparse", &t->eval_sparse, 0, 1 << 24);
   s.get("eval_dense", &t->eval_dense, 0, 1 << 24);
   s.get("eval_sequences", &t->eval_sequences, 0, 1 << 24);
+  s.get("min_len", &t->min_len, 0, 1 << 20);
+  s.get("curriculum_steps", &t->curriculum_steps, 0, 1 << 30);
   s.get("n_back", &t->n_back, 1, 64);
   s.get("n_keys", &t->n_keys, 1, 4096);
   s.get("n_values", &t->n_values, 2, 4096);
@@ -235,7 +237,8 @@ json config_to_json(const RunConfig& c) {
                 {"init_std", m.init_std}, {"gate_bias_init", m.gate_bias_init}};
   j["task"] = {{"name", t.name}, {"seq_len", t.seq_len}, {"p_train", t.p_train}, {"loss_on", t.loss_on},
                {"eval_id", t.eval_id}, {"eval_sparse", t.eval_sparse}, {"eval_dense", t.eval_dense},
-               {"eval_sequences", t.eval_sequences}, {"n_back", t.n_back}, {"n_keys", t.n_keys},
+               {"eval_sequences", t.eval_sequences}, {"min_len", t.min_len},
+               {"curriculum_steps", t.curriculum_steps}, {"n_back", t.n_back}, {"n_keys", t.n_keys},
                {"n_values", t.n_values}, {"query_prob", t.query_prob}, {"files", t.files},
                {"val_fraction", t.val_fraction}, {"data_seed", t.data_seed}};
   j["train"] = {{"steps", r.steps}, {"batch_size", r.batch_size}, {"lr", r.lr}, {"min_lr_ratio", r.min_lr_ratio},

@@ -54,6 +54,10 @@ struct TaskConfig {
   int eval_id = 1000, eval_sparse = 2000, eval_dense = 200;  // test-set sizes (sequences)
   // a5
   int eval_sequences = 1000;      // a5, mqrar, bytes: test-set size (sequences)
+  int min_len = 0;                // a5: shortest training word; lengths uniform in [min_len, longest]
+                                  // (0: every training word has seq_len elements)
+  int curriculum_steps = 0;       // a5: the longest training word grows linearly from min_len to seq_len
+                                  // over this many steps (0: seq_len from the start)
   // mqrar
   int n_back = 1;                 // N: a query asks for the N-th most recent value of its key
   int n_keys = 32, n_values = 32;

@@ -36,7 +36,7 @@ void Task::train_batch(uint64_t seed, int64_t step, int64_t B, Batch* out) const
   out->targets.assign(B * T, -1);
   for (int64_t b = 0; b < B; ++b) {
     Rng rng(mix_seed(seed, uint64_t(step), uint64_t(b)));
-    train_example(rng, &out->tokens[b * T], &out->targets[b * T]);
+    train_example(rng, step, &out->tokens[b * T], &out->targets[b * T]);
   }
 }
 
@@ -78,7 +78,7 @@ class FlipFlop final : public Task {
     static const char* s[] = {"w ", "r ", "i ", "0 ", "1 "};
     return (t >= 0 && t < 5) ? s[t] : "? ";
   }
-  void train_example(Rng& rng, int32_t* tok, int32_t* tgt) const override {
+  void train_example(Rng& rng, int64_t, int32_t* tok, int32_t* tgt) const override {
     generate(rng, c_.p_train, c_.loss_on == "all", tok, tgt);
   }
   std::vector<EvalSet> eval_sets() const override {
@@ -123,11 +123,30 @@ class FlipFlop final : public Task {
 // running product x_0 x_1 ... x_t. Every position is scored.
 class A5Task final : public Task {
  public:
-  A5Task(const TaskConfig& c) : c_(c), L_(seq_len_of(c)) {}
+  A5Task(const TaskConfig& c) : c_(c), L_(seq_len_of(c)), min_len_(c.min_len > 0 ? c.min_len : L_) {
+    if (min_len_ > L_)
+      throw EngineError("task.min_len: expected <= task.seq_len (" + std::to_string(L_) + "), got " +
+                        std::to_string(c.min_len));
+    if (c.curriculum_steps > 0 && c.min_len == 0)
+      throw EngineError("task.curriculum_steps: needs task.min_len (the length the curriculum starts from)");
+  }
   std::string name() const override { return "a5"; }
   int vocab_size() const override { return 60; }
   int64_t model_len() const override { return L_; }
-  void train_example(Rng& rng, int32_t* tok, int32_t* tgt) const override { generate(rng, tok, tgt); }
+  // A word of L_ elements of which the first `len` are scored, len uniform in [min_len, longest(step)]:
+  // with a causal model the scored prefix is exactly a word of that length.
+  void train_example(Rng& rng, int64_t step, int32_t* tok, int32_t* tgt) const override {
+    generate(rng, tok, tgt);
+    const int64_t hi = longest(step);
+    if (hi == min_len_ && hi == L_) return;  // fixed length: no extra draw (runs stay as they were)
+    const int64_t len = min_len_ + int64_t(rng.below(uint64_t(hi - min_len_ + 1)));
+    for (int64_t t = len; t < L_; ++t) tgt[t] = -1;
+  }
+  // The longest training word at `step`: grows linearly from min_len to seq_len over curriculum_steps.
+  int64_t longest(int64_t step) const {
+    if (c_.curriculum_steps <= 0 || step >= c_.curriculum_steps) return L_;
+    return min_len_ + (L_ - min_len_) * step / c_.curriculum_steps;
+  }
   // "test": every position scored (token accuracy, the "solved" criterion); "last": the same words, only the
   // final position scored (accuracy of the whole product x_0 ... x_{L-1}).
   std::vector<EvalSet> eval_sets() const override {
@@ -151,7 +170,7 @@ class A5Task final : public Task {
 
  private:
   TaskConfig c_;
-  int64_t L_;
+  int64_t L_, min_len_;
   A5Group g_;
 };
 
@@ -173,7 +192,7 @@ class Mqrar final : public Task {
     if (t < c_.n_keys + c_.n_values) return "v" + std::to_string(t - c_.n_keys) + " ";
     return "? ";
   }
-  void train_example(Rng& rng, int32_t* tok, int32_t* tgt) const override { generate(rng, tok, tgt); }
+  void train_example(Rng& rng, int64_t, int32_t* tok, int32_t* tgt) const override { generate(rng, tok, tgt); }
   std::vector<EvalSet> eval_sets() const override { return {{"test", c_.eval_sequences}}; }
   void eval_example(int set, int64_t index, int32_t* tok, int32_t* tgt) const override {
     Rng rng(mix_seed(c_.data_seed, 300 + uint64_t(set), uint64_t(index)));
@@ -244,7 +263,7 @@ class Bytes final : public Task {
     for (unsigned char ch : text) out.push_back(ch);
     return out;
   }
-  void train_example(Rng& rng, int32_t* tok, int32_t* tgt) const override {
+  void train_example(Rng& rng, int64_t, int32_t* tok, int32_t* tgt) const override {
     window(uint64_t(rng.below(uint64_t(n_train_ - L_ + 1))), tok, tgt);
   }
   std::vector<EvalSet> eval_sets() const override { return {{"val", c_.eval_sequences}}; }

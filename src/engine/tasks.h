@@ -32,8 +32,9 @@ class Task {
   virtual std::string name() const = 0;
   virtual int vocab_size() const = 0;
   virtual int64_t model_len() const = 0;  // T: positions per example the model sees
-  // One training example (tokens[T], targets[T]) drawn from rng.
-  virtual void train_example(Rng& rng, int32_t* tokens, int32_t* targets) const = 0;
+  // One training example (tokens[T], targets[T]) of training step `step`, drawn from rng (the step only
+  // matters to tasks with a length curriculum).
+  virtual void train_example(Rng& rng, int64_t step, int32_t* tokens, int32_t* targets) const = 0;
   virtual std::vector<EvalSet> eval_sets() const = 0;
   // Example `index` of test set `set` (an index into eval_sets()).
   virtual void eval_example(int set, int64_t index, int32_t* tokens, int32_t* targets) const = 0;

@@ -3,6 +3,7 @@
 // ends bitwise equal to an uninterrupted one, and the task generators produce the documented formats.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +11,7 @@
 #include <fstream>
 
 #include <unistd.h>
+#include <utility>
 
 #include <cblas.h>
 
@@ -233,6 +235,54 @@ TEST(EngineTasks, A5TestSetsScoreEveryPositionAndTheFinalProduct) {
       ASSERT_EQ(last.targets[s * 7 + i], i == 6 ? p : -1);
     }
   }
+}
+
+// Mixed lengths and the length curriculum: each training word's scored prefix is a full running product
+// whose length lies in [min_len, longest(step)], and every length in that range occurs.
+TEST(EngineTasks, A5MixedLengthsAndCurriculum) {
+  A5Group g;
+  TaskConfig tc;
+  tc.name = "a5";
+  tc.seq_len = 10;
+  tc.min_len = 2;
+  tc.curriculum_steps = 100;
+  auto t = make_task(tc);
+  auto scored_lengths = [&](int64_t step) {
+    Batch b;
+    t->train_batch(9, step, 400, &b);
+    std::vector<int> seen(11, 0);
+    for (int64_t s = 0; s < 400; ++s) {
+      int p = 0, len = 0;
+      for (int64_t i = 0; i < 10; ++i) {
+        p = g.mul[p * 60 + b.tokens[s * 10 + i]];
+        const int32_t y = b.targets[s * 10 + i];
+        if (y >= 0) {
+          EXPECT_EQ(y, p);
+          EXPECT_EQ(len, i) << "scored positions must be a prefix";
+          len = int(i) + 1;
+        }
+      }
+      ++seen[len];
+    }
+    return seen;
+  };
+  auto range_of = [](const std::vector<int>& seen) {
+    int lo = 99, hi = -1;
+    for (int l = 0; l <= 10; ++l)
+      if (seen[l] > 0) lo = std::min(lo, l), hi = std::max(hi, l);
+    return std::pair<int, int>(lo, hi);
+  };
+  EXPECT_EQ(range_of(scored_lengths(0)), std::make_pair(2, 2));
+  EXPECT_EQ(range_of(scored_lengths(50)), std::make_pair(2, 6));
+  EXPECT_EQ(range_of(scored_lengths(100)), std::make_pair(2, 10));
+  EXPECT_EQ(range_of(scored_lengths(5000)), std::make_pair(2, 10));
+
+  tc.min_len = 11;
+  EXPECT_THROW(make_task(tc), EngineError);
+  tc.min_len = 0;
+  EXPECT_THROW(make_task(tc), EngineError);  // a curriculum needs its starting length
+  tc.curriculum_steps = 0;
+  EXPECT_NO_THROW(make_task(tc));
 }
 
 TEST(EngineTasks, MqrarAnswersAreNthMostRecent) {
