@@ -219,8 +219,9 @@ struct ConvDw {  // column j = d * 3 + k of dwc [D, 3]
   }
 };
 
-// ---- per-head L2 norm (one warp per row of K) -------------------------------------------------------------
-__global__ void l2norm_fwd_kernel(const float* u, float* w, float* rinv, int64_t R, int64_t K, double eps) {
+// ---- per-head L2 norm (one warp per row of K; w and dw rows Kp >= K apart, the pad of w zeroed) ----------
+__global__ void l2norm_fwd_kernel(const float* u, float* w, float* rinv, int64_t R, int64_t K, int64_t Kp,
+                                  double eps) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= R) return;
@@ -229,19 +230,19 @@ __global__ void l2norm_fwd_kernel(const float* u, float* w, float* rinv, int64_t
   ss = warp_sum(ss);
   const float ri = float(1.0 / sqrt(ss + eps));
   if (lane == 0) rinv[r] = ri;
-  for (int64_t e = lane; e < K; e += 32) w[r * K + e] = u[r * K + e] * ri;
+  for (int64_t e = lane; e < Kp; e += 32) w[r * Kp + e] = e < K ? u[r * K + e] * ri : 0.0f;
 }
 
 __global__ void l2norm_bwd_kernel(const float* w, const float* rinv, const float* dw, float* du, int64_t R,
-                                  int64_t K) {
+                                  int64_t K, int64_t Kp) {
   const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= R) return;
   double dot = 0;
-  for (int64_t e = lane; e < K; e += 32) dot += double(w[r * K + e]) * dw[r * K + e];
+  for (int64_t e = lane; e < K; e += 32) dot += double(w[r * Kp + e]) * dw[r * Kp + e];
   dot = warp_sum(dot);
   const float fd = float(dot);
-  for (int64_t e = lane; e < K; e += 32) du[r * K + e] = rinv[r] * (dw[r * K + e] - w[r * K + e] * fd);
+  for (int64_t e = lane; e < K; e += 32) du[r * K + e] = rinv[r] * (dw[r * Kp + e] - w[r * Kp + e] * fd);
 }
 
 // ---- elementwise -----------------------------------------------------------------------------------------
@@ -265,6 +266,16 @@ __global__ void to_bf16_kernel(const float* x, __nv_bfloat16* y, int64_t n) {
 }
 __global__ void from_bf16_kernel(const __nv_bfloat16* x, float* y, int64_t n) {
   PA_GRID_STRIDE(i, n) y[i] = __bfloat162float(x[i]);
+}
+// A head row zero-padded from K to Kp columns and back: one thread per element of the output.
+__global__ void to_bf16_padded_kernel(const float* x, __nv_bfloat16* y, int64_t rows, int64_t K, int64_t Kp) {
+  PA_GRID_STRIDE(i, rows * Kp) {
+    const int64_t r = i / Kp, e = i % Kp;
+    y[i] = e < K ? __float2bfloat16_rn(x[r * K + e]) : __float2bfloat16_rn(0.0f);
+  }
+}
+__global__ void from_bf16_padded_kernel(const __nv_bfloat16* x, float* y, int64_t rows, int64_t K, int64_t Kp) {
+  PA_GRID_STRIDE(i, rows * K) y[i] = __bfloat162float(x[(i / K) * Kp + i % K]);
 }
 
 // ---- cross-entropy: one 256-thread block per row (vocabularies here are 2 .. a few hundred) ---------------
@@ -493,16 +504,21 @@ void conv3_silu_bwd(const float* x, const float* wc, const float* c, const float
   colsum(ConvDw{x, c, dy, T_, D}, dwc, N, 3 * D, s, "conv3_silu_bwd dwc");
 }
 
-void l2norm_fwd(const float* u, float* w, float* rinv, int64_t N, int64_t NH, int64_t K, double eps, cudaStream_t s) {
+void l2norm_fwd(const float* u, float* w, float* rinv, int64_t N, int64_t NH, int64_t K, double eps, cudaStream_t s,
+                int64_t Kp) {
   if (N * NH <= 0) return;
-  l2norm_fwd_kernel<<<row_blocks(N * NH), kThreads, 0, s>>>(u, w, rinv, N * NH, K, eps);
+  Kp = Kp > 0 ? Kp : K;
+  if (Kp < K) throw EngineError("l2norm_fwd: row stride " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  l2norm_fwd_kernel<<<row_blocks(N * NH), kThreads, 0, s>>>(u, w, rinv, N * NH, K, Kp, eps);
   check(cudaGetLastError(), "l2norm_fwd");
 }
 
 void l2norm_bwd(const float* w, const float* rinv, const float* dw, float* du, int64_t N, int64_t NH, int64_t K,
-                cudaStream_t s) {
+                cudaStream_t s, int64_t Kp) {
   if (N * NH <= 0) return;
-  l2norm_bwd_kernel<<<row_blocks(N * NH), kThreads, 0, s>>>(w, rinv, dw, du, N * NH, K);
+  Kp = Kp > 0 ? Kp : K;
+  if (Kp < K) throw EngineError("l2norm_bwd: row stride " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  l2norm_bwd_kernel<<<row_blocks(N * NH), kThreads, 0, s>>>(w, rinv, dw, du, N * NH, K, Kp);
   check(cudaGetLastError(), "l2norm_bwd");
 }
 
@@ -533,6 +549,18 @@ void to_bf16(const float* x, __nv_bfloat16* y, int64_t n, cudaStream_t s) {
 void from_bf16(const __nv_bfloat16* x, float* y, int64_t n, cudaStream_t s) {
   from_bf16_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n);
   check(cudaGetLastError(), "from_bf16");
+}
+void to_bf16_padded(const float* x, __nv_bfloat16* y, int64_t rows, int64_t K, int64_t Kp, cudaStream_t s) {
+  if (Kp == K) return to_bf16(x, y, rows * K, s);
+  if (Kp < K) throw EngineError("to_bf16_padded: Kp = " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  to_bf16_padded_kernel<<<blocks_for(rows * Kp), kThreads, 0, s>>>(x, y, rows, K, Kp);
+  check(cudaGetLastError(), "to_bf16_padded");
+}
+void from_bf16_padded(const __nv_bfloat16* x, float* y, int64_t rows, int64_t K, int64_t Kp, cudaStream_t s) {
+  if (Kp == K) return from_bf16(x, y, rows * K, s);
+  if (Kp < K) throw EngineError("from_bf16_padded: Kp = " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  from_bf16_padded_kernel<<<blocks_for(rows * K), kThreads, 0, s>>>(x, y, rows, K, Kp);
+  check(cudaGetLastError(), "from_bf16_padded");
 }
 
 void cross_entropy_fwd(const float* logits, const int32_t* targets, double* loss, int32_t* hit, int32_t* pred,

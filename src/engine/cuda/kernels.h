@@ -65,11 +65,15 @@ void conv3_silu_fwd(const float* x, const float* wc, float* c, float* y, int64_t
 void conv3_silu_bwd(const float* x, const float* wc, const float* c, const float* dy, float* dx, float* dwc,
                     int64_t N, int64_t T_, int64_t D, cudaStream_t s);
 
-// Per-head L2 norm: w = u / sqrt(sum u^2 + eps) over rows of K; u, w [N, NH, K]; rinv [N, NH].
-void l2norm_fwd(const float* u, float* w, float* rinv, int64_t N, int64_t NH, int64_t K, double eps, cudaStream_t s);
-// du (overwritten) = rinv (dw - w (w . dw)).
+// Per-head L2 norm: w = u / sqrt(sum u^2 + eps) over rows of K; u [N, NH, K]; rinv [N, NH]. w is [N, NH, Kp]:
+// Kp = 0 means K; Kp > K writes each row zero-padded to Kp (columns K..Kp-1 zero), the attention op's layout
+// for a head dim the CUDA attention is not built for (engine/cuda/model_cuda.h).
+void l2norm_fwd(const float* u, float* w, float* rinv, int64_t N, int64_t NH, int64_t K, double eps, cudaStream_t s,
+                int64_t Kp = 0);
+// du [N, NH, K] (overwritten) = rinv (dw - w (w . dw)) over the first K columns of w, dw [N, NH, Kp] (Kp = 0: K);
+// the padded columns of dw are ignored.
 void l2norm_bwd(const float* w, const float* rinv, const float* dw, float* du, int64_t N, int64_t NH, int64_t K,
-                cudaStream_t s);
+                cudaStream_t s, int64_t Kp = 0);
 
 // beta = 2 sigmoid(z); dz = dbeta beta (1 - beta / 2). g = logsigmoid(z); dz = dg (1 - exp(g)). In place allowed.
 void beta_fwd(const float* z, float* beta, int64_t n, cudaStream_t s);
@@ -83,6 +87,11 @@ void add(const float* a, const float* b, float* y, int64_t n, cudaStream_t s);
 // fp32 <-> bf16 (round to nearest even) for the attention op's q, k, v, o, do and dq, dk, dv.
 void to_bf16(const float* x, __nv_bfloat16* y, int64_t n, cudaStream_t s);
 void from_bf16(const __nv_bfloat16* x, float* y, int64_t n, cudaStream_t s);
+// The same per head row, with the attention op's head dim Kp >= K: to_bf16_padded writes y [rows, Kp] from
+// x [rows, K] with columns K..Kp-1 zero; from_bf16_padded writes y [rows, K] from the first K columns of
+// x [rows, Kp]. With Kp == K they are to_bf16 / from_bf16 of rows * K elements (the same kernel launch).
+void to_bf16_padded(const float* x, __nv_bfloat16* y, int64_t rows, int64_t K, int64_t Kp, cudaStream_t s);
+void from_bf16_padded(const __nv_bfloat16* x, float* y, int64_t rows, int64_t K, int64_t Kp, cudaStream_t s);
 
 // Softmax cross-entropy over logits [N, Vc] with targets [N] (-1: no loss). Per row: loss[n] = lse - l[tgt]
 // (fp64; 0 at uncounted rows), hit[n] = (argmax == tgt), pred[n] = argmax (first maximum; pred may be null).

@@ -2,6 +2,16 @@
 // (engine/cuda/model_cuda.h). The sequence of layer calls is engine/model.cpp's, call for call, with each
 // ops.h function replaced by its engine/cuda/kernels.h twin and the attention op called with CUDA views.
 // Everything runs on one stream owned by the model; the host waits only for the step's loss and grad norm.
+//
+// Head dims other than 64 and 128: the attention op sees every head zero-padded to Kp = cuda_attn_head_dim(K).
+// This is exact. The padded coordinates of q, k, v and w are zero, so q.k and w.w are unchanged and each PaTH
+// factor H_t = I - beta_t w_t w_t^T is block diagonal (the K x K factor of the unpadded model, the identity on
+// the padded coordinates): q_i^T (H_i ... H_{j+1}) k_j is the unpadded logit. The padded columns of v are zero,
+// so those of o are zero; their gradients (and those of q, k, w) are dropped. The scale 1 / sqrt(K) is passed
+// explicitly (the op's default would be 1 / sqrt(Kp)), and gate_scale with it: the CPU engine's default.
+// The padding happens inside the conversions that exist anyway (to_bf16_padded / from_bf16_padded, and
+// l2norm_fwd / l2norm_bwd read and write w, dw with rows Kp apart), so it costs no extra pass; with K = Kp
+// those are the unpadded calls, bit for bit.
 #include "engine/cuda/model_cuda.h"
 
 #include <cuda_runtime.h>
@@ -62,14 +72,13 @@ void check_cuda_model(const ModelConfig& cfg) {
     throw EngineError(std::string("train.device = \"cuda\": no CUDA device is visible (") +
                       (e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found none") + ")");
   const int K = cfg.K();
-  if (std::find(std::begin(kCudaHeadDims), std::end(kCudaHeadDims), K) == std::end(kCudaHeadDims)) {
-    std::string set;
-    for (int d : kCudaHeadDims) set += (set.empty() ? "" : ", ") + std::to_string(d);
+  if (K < 1 || K > kCudaMaxHeadDim) {
     const std::string why = cfg.head_dim > 0 ? "model.head_dim = " + std::to_string(cfg.head_dim)
                                              : "model.head_dim = 0: d_model / n_head = " + std::to_string(cfg.d_model) +
                                                    " / " + std::to_string(cfg.n_head);
-    throw EngineError("model.head_dim: the CUDA attention supports head dims {" + set + "}; this model's is " +
-                      std::to_string(K) + " (" + why + "). Train it with train.device = \"cpu\" or change the width");
+    throw EngineError("model.head_dim: the CUDA device supports head dims 1.." + std::to_string(kCudaMaxHeadDim) +
+                      "; this model's is " + std::to_string(K) + " (" + why +
+                      "). Train it with train.device = \"cpu\" or use more heads");
   }
 }
 
@@ -80,6 +89,7 @@ struct CudaModel::Impl {
   };
 
   ModelConfig cfg;
+  int64_t Kp = 0;  // the attention op's head dim: cuda_attn_head_dim(cfg.K()), equal to K for 64 and 128
   std::vector<ParamInfo> layout;
   ParamOffsets po;
   int64_t total = 0;
@@ -94,7 +104,8 @@ struct CudaModel::Impl {
   DevBuf<int32_t> tok, tgt, rows, start, hit, pred;
   DevBuf<double> loss_row, sums, norm_partial, norm_out;
   // Scratch shared by the layers (forward: fp32 q, k, v before conversion, the conv output, a projection;
-  // backward: every gradient of one layer).
+  // backward: every gradient of one layer). What the attention op reads or writes (qb, kb, vb, ob, w of the
+  // layers; dOb, dqb, dkb, dvb, dw here) has head rows of Kp, every other per-head array rows of K.
   DevBuf<float> q, k, v, ws, tmp, dlogits, dlnf, dx, dm, dh, dln, dO, dq, dk, dv, dw, dbeta, dg, dws, dwraw, dwlr, dz;
   DevBuf<bf16> dOb, dqb, dkb, dvb;
   int64_t nb = 0, nt = 0, count = 0;
@@ -108,17 +119,18 @@ struct CudaModel::Impl {
       for (DevBuf<float>* b : {&a.x, &a.ln1, &a.xmid, &a.ln2}) b->ensure(N * C);
       a.rstd1.ensure(N);
       a.rstd2.ensure(N);
-      a.qb.ensure(N * HQ * K);
-      a.kb.ensure(N * H * K);
-      a.vb.ensure(N * H * K);
-      a.ob.ensure(N * HQ * K);
+      a.qb.ensure(N * HQ * Kp);
+      a.kb.ensure(N * H * Kp);
+      a.vb.ensure(N * H * Kp);
+      a.ob.ensure(N * HQ * Kp);
       a.o.ensure(N * HQ * K);
       a.lse.ensure(N * HQ);
       a.h.ensure(N * 2 * F);
       a.m.ensure(N * F);
       if (path) {
         if (R > 0) a.wlr.ensure(N * R);
-        for (DevBuf<float>* b : {&a.wraw, &a.wc, &a.w}) b->ensure(N * H * K);
+        for (DevBuf<float>* b : {&a.wraw, &a.wc}) b->ensure(N * H * K);
+        a.w.ensure(N * H * Kp);
         a.wrinv.ensure(N * H);
         a.beta.ensure(N * H);
       }
@@ -135,14 +147,15 @@ struct CudaModel::Impl {
     dO.ensure(N * HQ * K);
     dq.ensure(N * HQ * K);
     for (DevBuf<float>* b : {&k, &v, &dk, &dv}) b->ensure(N * H * K);
-    dOb.ensure(N * HQ * K);
-    dqb.ensure(N * HQ * K);
-    dkb.ensure(N * H * K);
-    dvb.ensure(N * H * K);
+    dOb.ensure(N * HQ * Kp);
+    dqb.ensure(N * HQ * Kp);
+    dkb.ensure(N * H * Kp);
+    dvb.ensure(N * H * Kp);
     dm.ensure(N * F);
     dh.ensure(N * 2 * F);
     if (path) {
-      for (DevBuf<float>* b : {&ws, &dw, &dws, &dwraw}) b->ensure(N * H * K);
+      for (DevBuf<float>* b : {&ws, &dws, &dwraw}) b->ensure(N * H * K);
+      dw.ensure(N * H * Kp);
       dbeta.ensure(N * H);
       if (R > 0) dwlr.ensure(N * R);
     }
@@ -154,18 +167,21 @@ struct CudaModel::Impl {
     return make_view(p, dt, shape, Device::cuda);
   }
 
+  // The attention op on head rows of Kp (q, k, v, w zero-padded by the conversions before it).
   void attention_fwd(LayerActs& a, int64_t B, int64_t T_) {
-    const int64_t HQ = cfg.n_head, H = cfg.H(), K = cfg.K();
+    const int64_t HQ = cfg.n_head, H = cfg.H();
     PathFwdParams p;
-    p.q = view(a.qb, DType::bf16, {B, T_, HQ, K});
-    p.k = view(a.kb, DType::bf16, {B, T_, H, K});
-    p.v = view(a.vb, DType::bf16, {B, T_, H, K});
+    p.scale = 1.0 / std::sqrt(double(cfg.K()));  // the true head dim's (the op's default, bit for bit, at K = Kp)
+    p.gate_scale = p.scale;                        // the op's default, which the CPU engine uses
+    p.q = view(a.qb, DType::bf16, {B, T_, HQ, Kp});
+    p.k = view(a.kb, DType::bf16, {B, T_, H, Kp});
+    p.v = view(a.vb, DType::bf16, {B, T_, H, Kp});
     if (attn_has_path(cfg.attn)) {
-      p.w = view(a.w, DType::f32, {B, T_, H, K});
+      p.w = view(a.w, DType::f32, {B, T_, H, Kp});
       p.beta = view(a.beta, DType::f32, {B, T_, H});
     }
     if (attn_has_gate(cfg.attn)) p.g = view(a.g, DType::f32, {B, T_, HQ});
-    p.o = view(a.ob, DType::bf16, {B, T_, HQ, K});
+    p.o = view(a.ob, DType::bf16, {B, T_, HQ, Kp});
     p.lse = view(a.lse, DType::f32, {B, T_, HQ});
     p.backend = Backend::cuda;
     p.stream = s;
@@ -174,21 +190,23 @@ struct CudaModel::Impl {
   }
 
   void attention_bwd(LayerActs& a, int64_t B, int64_t T_) {
-    const int64_t HQ = cfg.n_head, H = cfg.H(), K = cfg.K();
+    const int64_t HQ = cfg.n_head, H = cfg.H();
     PathBwdParams p;
-    p.q = view(a.qb, DType::bf16, {B, T_, HQ, K});
-    p.k = view(a.kb, DType::bf16, {B, T_, H, K});
-    p.v = view(a.vb, DType::bf16, {B, T_, H, K});
-    p.o = view(a.ob, DType::bf16, {B, T_, HQ, K});
+    p.scale = 1.0 / std::sqrt(double(cfg.K()));
+    p.gate_scale = p.scale;
+    p.q = view(a.qb, DType::bf16, {B, T_, HQ, Kp});
+    p.k = view(a.kb, DType::bf16, {B, T_, H, Kp});
+    p.v = view(a.vb, DType::bf16, {B, T_, H, Kp});
+    p.o = view(a.ob, DType::bf16, {B, T_, HQ, Kp});
     p.lse = view(a.lse, DType::f32, {B, T_, HQ});
-    p.do_ = view(dOb, DType::bf16, {B, T_, HQ, K});
-    p.dq = view(dqb, DType::bf16, {B, T_, HQ, K});
-    p.dk = view(dkb, DType::bf16, {B, T_, H, K});
-    p.dv = view(dvb, DType::bf16, {B, T_, H, K});
+    p.do_ = view(dOb, DType::bf16, {B, T_, HQ, Kp});
+    p.dq = view(dqb, DType::bf16, {B, T_, HQ, Kp});
+    p.dk = view(dkb, DType::bf16, {B, T_, H, Kp});
+    p.dv = view(dvb, DType::bf16, {B, T_, H, Kp});
     if (attn_has_path(cfg.attn)) {
-      p.w = view(a.w, DType::f32, {B, T_, H, K});
+      p.w = view(a.w, DType::f32, {B, T_, H, Kp});
       p.beta = view(a.beta, DType::f32, {B, T_, H});
-      p.dw = view(dw, DType::f32, {B, T_, H, K});
+      p.dw = view(dw, DType::f32, {B, T_, H, Kp});
       p.dbeta = view(dbeta, DType::f32, {B, T_, H});
     }
     if (attn_has_gate(cfg.attn)) {
@@ -209,6 +227,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, bool tf32) : impl_(std::make_unique
   check_cuda_model(cfg);
   Impl& I = *impl_;
   I.cfg = cfg;
+  I.Kp = cuda_attn_head_dim(cfg.K());
   I.layout = param_layout(cfg);
   I.po = param_offsets(cfg, I.layout);
   I.total = I.layout.back().offset + I.layout.back().numel;
@@ -241,7 +260,7 @@ StepStats CudaModel::forward(const int32_t* tokens, const int32_t* targets, int6
   Impl& I = *impl_;
   const ModelConfig& cfg = I.cfg;
   const int64_t N = B * T_, C = cfg.d_model, HQ = cfg.n_head, H = cfg.H(), K = cfg.K(), F = cfg.F();
-  const int64_t Vc = cfg.vocab_size, R = cfg.w_rank;
+  const int64_t Vc = cfg.vocab_size, R = cfg.w_rank, Kp = I.Kp;
   const bool path = attn_has_path(cfg.attn), gate = attn_has_gate(cfg.attn);
   for (int64_t n = 0; n < N; ++n)
     if (tokens[n] < 0 || tokens[n] >= Vc)
@@ -275,9 +294,9 @@ StepStats CudaModel::forward(const int32_t* tokens, const int32_t* targets, int6
       gpu::rope_apply(I.q, N, T_, HQ, K, cfg.rope_theta, false, s);
       gpu::rope_apply(I.k, N, T_, H, K, cfg.rope_theta, false, s);
     }
-    gpu::to_bf16(I.q, a.qb, N * HQ * K, s);
-    gpu::to_bf16(I.k, a.kb, N * H * K, s);
-    gpu::to_bf16(I.v, a.vb, N * H * K, s);
+    gpu::to_bf16_padded(I.q, a.qb, N * HQ, K, Kp, s);
+    gpu::to_bf16_padded(I.k, a.kb, N * H, K, Kp, s);
+    gpu::to_bf16_padded(I.v, a.vb, N * H, K, Kp, s);
     if (path) {
       if (R > 0) {
         gpu::linear_fwd(h, s, a.ln1, P + o.ww1, nullptr, a.wlr, N, C, R);
@@ -286,7 +305,7 @@ StepStats CudaModel::forward(const int32_t* tokens, const int32_t* targets, int6
         gpu::linear_fwd(h, s, a.ln1, P + o.ww1, nullptr, a.wraw, N, C, H * K);
       }
       gpu::conv3_silu_fwd(a.wraw, P + o.wconv, a.wc, I.ws, N, T_, H * K, s);
-      gpu::l2norm_fwd(I.ws, a.w, a.wrinv, N, H, K, 1e-6, s);
+      gpu::l2norm_fwd(I.ws, a.w, a.wrinv, N, H, K, 1e-6, s, Kp);
       gpu::linear_fwd(h, s, a.ln1, P + o.wb, P + o.bb, a.beta, N, C, H);
       gpu::beta_fwd(a.beta, a.beta, N * H, s);
     }
@@ -295,7 +314,7 @@ StepStats CudaModel::forward(const int32_t* tokens, const int32_t* targets, int6
       gpu::logsigmoid_fwd(a.g, a.g, N * HQ, s);
     }
     I.attention_fwd(a, B, T_);
-    gpu::from_bf16(a.ob, a.o, N * HQ * K, s);
+    gpu::from_bf16_padded(a.ob, a.o, N * HQ, K, Kp, s);
     gpu::linear_fwd(h, s, a.o, P + o.wo, nullptr, I.tmp, N, HQ * K, C);
     gpu::add(a.x, I.tmp, a.xmid, N * C, s);
     gpu::rmsnorm_fwd(a.xmid, P + o.ln2, a.ln2, a.rstd2, N, C, cfg.norm_eps, s);
@@ -328,7 +347,7 @@ void CudaModel::backward() {
   Impl& I = *impl_;
   const ModelConfig& cfg = I.cfg;
   const int64_t B = I.nb, T_ = I.nt, N = B * T_, C = cfg.d_model, HQ = cfg.n_head, H = cfg.H(), K = cfg.K();
-  const int64_t F = cfg.F(), Vc = cfg.vocab_size, R = cfg.w_rank;
+  const int64_t F = cfg.F(), Vc = cfg.vocab_size, R = cfg.w_rank, Kp = I.Kp;
   const bool path = attn_has_path(cfg.attn), gate = attn_has_gate(cfg.attn);
   if (I.count == 0) return;  // no counted row: the loss is the constant 0
   const cudaStream_t s = I.s;
@@ -355,11 +374,11 @@ void CudaModel::backward() {
     gpu::rmsnorm_bwd(a.xmid, P + o.ln2, a.rstd2, I.dln, I.dx, G + o.ln2, N, C, true, s);
     // Attention: x_mid = x + o Wo.
     gpu::linear_bwd(h, s, a.o, P + o.wo, I.dx, I.dO, G + o.wo, nullptr, N, HQ * K, C, false);
-    gpu::to_bf16(I.dO, I.dOb, N * HQ * K, s);
+    gpu::to_bf16_padded(I.dO, I.dOb, N * HQ, K, Kp, s);
     I.attention_bwd(a, B, T_);
-    gpu::from_bf16(I.dqb, I.dq, N * HQ * K, s);
-    gpu::from_bf16(I.dkb, I.dk, N * H * K, s);
-    gpu::from_bf16(I.dvb, I.dv, N * H * K, s);
+    gpu::from_bf16_padded(I.dqb, I.dq, N * HQ, K, Kp, s);
+    gpu::from_bf16_padded(I.dkb, I.dk, N * H, K, Kp, s);
+    gpu::from_bf16_padded(I.dvb, I.dv, N * H, K, Kp, s);
     if (cfg.attn == AttnKind::rope) {
       gpu::rope_apply(I.dq, N, T_, HQ, K, cfg.rope_theta, true, s);
       gpu::rope_apply(I.dk, N, T_, H, K, cfg.rope_theta, true, s);
@@ -368,7 +387,7 @@ void CudaModel::backward() {
     gpu::linear_bwd(h, s, a.ln1, P + o.wk, I.dk, I.dln, G + o.wk, nullptr, N, C, H * K, true);
     gpu::linear_bwd(h, s, a.ln1, P + o.wv, I.dv, I.dln, G + o.wv, nullptr, N, C, H * K, true);
     if (path) {
-      gpu::l2norm_bwd(a.w, a.wrinv, I.dw, I.dws, N, H, K, s);
+      gpu::l2norm_bwd(a.w, a.wrinv, I.dw, I.dws, N, H, K, s, Kp);
       gpu::conv3_silu_bwd(a.wraw, P + o.wconv, a.wc, I.dws, I.dwraw, G + o.wconv, N, T_, H * K, s);
       if (R > 0) {
         gpu::linear_bwd(h, s, a.wlr, P + o.ww2, I.dwraw, I.dwlr, G + o.ww2, nullptr, N, R, H * K, false);

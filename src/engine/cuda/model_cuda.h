@@ -2,7 +2,8 @@
 // Same parameter layout table, init and layer math as Model<float> (engine/model.h); parameters, gradients,
 // AdamW moments and activations live in device memory (fp32). GEMMs go through cuBLAS, the layers through
 // engine/cuda/kernels.h, attention through the library's public op (path_attn_fwd / path_attn_bwd, Backend::cuda)
-// with q, k, v, o, do and dq, dk, dv converted to bf16 at the call. This header needs no CUDA headers.
+// with q, k, v, o, do and dq, dk, dv converted to bf16 at the call (a head dim other than 64 or 128 zero-padded
+// to the next of them, see cuda_attn_head_dim). This header needs no CUDA headers.
 #pragma once
 
 #include <cstdint>
@@ -16,11 +17,14 @@
 
 namespace pathattn::engine {
 
-// Head dims the library's CUDA attention is built for (checked when a CudaModel is made, so a run fails
-// before it starts; the op itself also refuses others).
-inline constexpr int kCudaHeadDims[] = {64, 128};
+// The library's CUDA attention is built for head dims 64 and 128 only (K = V). The engine runs every head dim
+// K <= kCudaMaxHeadDim on it by zero-padding each head of q, k, v, w to Kp = cuda_attn_head_dim(K) for the
+// attention call and dropping the padded columns of o, dq, dk, dv, dw after it (exact: model_cuda.cpp says
+// why). K = 64 and 128 run unpadded. Larger K is refused when a CudaModel is made, before a run starts.
+inline constexpr int kCudaMaxHeadDim = 128;
+constexpr int cuda_attn_head_dim(int K) { return K <= 64 ? 64 : 128; }
 
-// Throws EngineError unless a CUDA device is visible and `cfg` runs on it (head dim in kCudaHeadDims).
+// Throws EngineError unless a CUDA device is visible and `cfg` runs on it (1 <= head dim <= kCudaMaxHeadDim).
 void check_cuda_model(const ModelConfig& cfg);
 
 class CudaModel {
