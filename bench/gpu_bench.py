@@ -105,12 +105,27 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def shown_flags():
+    """The command line's flags for the table header, without the machine-specific --lib / --out paths."""
+    out, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a in ("--lib", "--out"):
+            skip = True
+        elif not a.startswith(("--lib=", "--out=")):
+            out.append(a)
+    return "".join(" " + a for a in out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build-cuda/libpathattn_capi.so")
     ap.add_argument("--out", default="bench/results/gpu_h200.md")
     ap.add_argument("--Ts", default="1024,2048,4096,8192,16384")
     ap.add_argument("--quick", action="store_true", help="MHA rows only (no GQA / FoX rows)")
+    ap.add_argument("--extra-only", action="store_true",
+                    help="GQA and PaTH-FoX rows only (no MHA rows, no accuracy or memory sections)")
     ap.add_argument("--profile", action="store_true", help="also print our per-kernel times (stderr) per shape")
     ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
     args = ap.parse_args()
@@ -129,14 +144,15 @@ def main():
     lines.append(f"# PaTH training op on {dev}\n")
     lines.append(f"Date {datetime.date.today()}, commit {commit}, torch {torch.__version__}, "
                  f"fla-core {getattr(sys.modules.get('fla'), '__version__', '?')}. "
-                 f"Command: `scripts/gpu_suite.sh` (bench/gpu_bench.py). bf16, causal, B*T = 32768 tokens per call, "
+                 f"Command: `bench/gpu_bench.py{shown_flags()}` (scripts/gpu_suite.sh runs it). bf16, causal, B*T = 32768 tokens per call, "
                  f"median of triton do_bench. Ratios > 1 mean slower than the reference.\n")
 
     # ---- accuracy against fp64 (BENCH.md: ours must be no worse than FLA on the same inputs).
     lines.append("## Accuracy (bf16 o, relative L2 against fp64 brute force)\n")
     lines.append("| T | K | gate | ours | FLA |")
     lines.append("|---|---|---|---|---|")
-    for T, K, gate in [(512, 64, False), (512, 64, True), (2048, 128, False), (2048, 128, True)]:
+    acc_cases = [] if args.extra_only else [(512, 64, False), (512, 64, True), (2048, 128, False), (2048, 128, True)]
+    for T, K, gate in acc_cases:
         q, k, v, w, beta, g, do = make_inputs(1, T, 2, 2, K, K, gate, seed=T + K)
         ref = ref_fp64(q, k, v, w, beta, g)
         o = torch.empty_like(q[..., :K])
@@ -160,7 +176,7 @@ def main():
                  "ours/cuDNN fwd | ours/FLA fwd | ours/cuDNN f+b | ours/FLA f+b |")
     lines.append("|" + "---|" * 15)
     Ts = [int(x) for x in args.Ts.split(",")]
-    configs = [(128, 16, 16, False), (64, 32, 32, False)]
+    configs = [] if args.extra_only else [(128, 16, 16, False), (64, 32, 32, False)]
     if not args.quick:
         configs += [(128, 16, 4, False), (64, 32, 32, True)]
     for K, HQ, H, gate in configs:
@@ -232,7 +248,18 @@ def main():
             del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
             torch.cuda.empty_cache()
 
-    # ---- peak memory of forward + backward, extra over the inputs (BENCH.md shape).
+    if not args.extra_only:
+        memory_section(lines, args.ours_only)
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        fh.write(text)
+    print(text)
+
+
+def memory_section(lines, ours_only):
+    """Peak memory of forward + backward, extra over the inputs (BENCH.md shape)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     lines.append("\n## Peak memory of forward+backward, extra over the inputs (B=4, T=16384, HQ=H=24, K=V=64, bf16)\n")
     lines.append("| op | GiB |")
     lines.append("|---|---|")
@@ -263,12 +290,13 @@ def main():
             out.backward(do.transpose(1, 2))
 
     def mem_fla():
+        from fla.ops.path_attn import parallel_path_attn
         qg, kg, vg, wg, bg = (x.detach().requires_grad_() for x in (q, k, v, w, beta))
         out, _ = parallel_path_attn(qg, kg, vg, wg, bg)
         out.backward(do)
 
     mems = (("cuDNN SDPA", mem_cudnn), ("FLA parallel_path_attn", mem_fla), ("ours (torch-allocated outputs)", mem_ours))
-    for name, fn in mems[2:] if args.ours_only else mems:
+    for name, fn in mems[2:] if ours_only else mems:
         try:
             lines.append(f"| {name} | {peak(fn):.2f} |")
         except Exception as ex:  # noqa: BLE001
@@ -286,12 +314,6 @@ def main():
         print(lines[-2], lines[-1], flush=True)
     except Exception as ex:  # noqa: BLE001
         print("pool query failed:", ex)
-
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        fh.write(text)
-    print(text)
 
 
 if __name__ == "__main__":

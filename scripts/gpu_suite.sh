@@ -5,16 +5,19 @@
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
 # opcheck / torch.compile, prefill and decode on the GPU) when a pathattn wheel built with the CUDA backend
 # sits in .whl/ or WHEELS (installed with the fla wheels found there into a private target directory).
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
+#   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
+#   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUILD=build-cuda QUICK="" BENCH=1 TESTS=1 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
+BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
     --quick) QUICK="$QUICK --quick" ;;
+    --extra-only) QUICK="$QUICK --extra-only"; TABLE=bench/results/gpu_h200_extra.md ;;
     --profile) QUICK="$QUICK --profile" ;;
     --Ts) TS=$2; shift ;;
     --no-bench) BENCH=0 ;;
@@ -64,8 +67,8 @@ if [ "$BENCH" = 1 ]; then
       && export PYTHONPATH=/tmp/pathattn_site${PYTHONPATH:+:$PYTHONPATH}
   fi
   PATHATTN_COMMIT=${PATHATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")} PYTHONUNBUFFERED=1 \
-    python3 bench/gpu_bench.py --lib "$CAPI" --out bench/results/gpu_h200.md --Ts "$TS" $QUICK 2>&1 | tee "$OUTDIR/bench.log"
-  cp bench/results/gpu_h200.md "$OUTDIR/" 2>/dev/null || true
+    python3 bench/gpu_bench.py --lib "$CAPI" --out "$TABLE" --Ts "$TS" $QUICK 2>&1 | tee "$OUTDIR/bench.log"
+  cp "$TABLE" "$OUTDIR/" 2>/dev/null || true
 fi
 WHEELS=${WHEELS:-.whl}
 if [ "$TESTS" = 1 ] && ls "$WHEELS"/pathattn-*.whl > /dev/null 2>&1; then
