@@ -15,10 +15,13 @@ def gen(rng, L=128, nk=8, nv=16, qp=0.25, N=1):
             if len(hist[k])==N: ready.append(k)
             s+=2
     return qs
-rng=random.Random(0)
-for N in (1,2,3,4):
-    tot=0; uni=0; rec=0; first=0; ex=0
-    for _ in range(4000):
-        for h,a in gen(rng,N=N):
-            tot+=1; uni+=h.count(a)/len(h); rec+= (h[-1]==a); first+=(h[0]==a); ex += len(h)==N
-    print(N, tot/4000, 'uniform-over-key %.1f'%(100*uni/tot), 'most-recent %.1f'%(100*rec/tot), 'first %.1f'%(100*first/tot), 'exactly-N %.1f'%(100*ex/tot))
+# (length, keys, values, streams): the small CPU config and the paper-scale config (configs/repro_mqrar*.json).
+for L, nk, nv, streams in ((128, 8, 16, 4000), (768, 32, 32, 1000)):
+    print(f"length {L}, {nk} keys, {nv} values, {streams} streams per N")
+    rng=random.Random(0)
+    for N in (1,2,3,4):
+        tot=0; uni=0; rec=0; first=0; ex=0
+        for _ in range(streams):
+            for h,a in gen(rng,L=L,nk=nk,nv=nv,N=N):
+                tot+=1; uni+=h.count(a)/len(h); rec+= (h[-1]==a); first+=(h[0]==a); ex += len(h)==N
+        print(N, tot/streams, 'uniform-over-key %.1f'%(100*uni/tot), 'most-recent %.1f'%(100*rec/tot), 'first %.1f'%(100*first/tot), 'exactly-N %.1f'%(100*ex/tot))
