@@ -47,6 +47,15 @@ void emit(const std::string& dir, const std::string& table, const json& results)
   write_file_atomic(dir + "/results.json", results.dump(2) + "\n");
 }
 
+// Number of leading positions whose accuracy exceeds `thr` (how many elements a model composes reliably).
+int leading_above(const json& by_position, double thr) {
+  int n = 0;
+  for (const json& a : by_position) {
+    if (a.get<double>() <= thr) break;
+    ++n;
+  }
+  return n;
+}
 }  // namespace
 
 json repro_flipflop(const ReproOptions& o) {
@@ -114,8 +123,9 @@ json repro_a5(const ReproOptions& o) {
   t << "\n|---|";
   for (size_t i = 0; i < lengths.size(); ++i) t << "---|";
   t << "\n";
-  runs << "| model | length | layers | token accuracy % | final-position accuracy % | train time |\n"
-       << "|---|---|---|---|---|---|\n";
+  runs << "| model | length | layers | token accuracy % | final-position accuracy % | leading positions > 90% | "
+          "train time |\n"
+       << "|---|---|---|---|---|---|---|\n";
   const uint64_t seed = o.seeds.empty() ? 1 : o.seeds[0];
   for (const std::string& m : models) {
     t << "| " << pretty(m) << " |";
@@ -136,12 +146,15 @@ json repro_a5(const ReproOptions& o) {
         const RunResult r = train_run(c, ro);
         const double acc = r.eval["test"]["accuracy"].get<double>();
         const double last = r.eval.contains("last") ? r.eval["last"]["accuracy"].get<double>() : -1.0;
+        const json by_pos = r.eval["test"].value("by_position", json::array());
         best = std::max(best, acc);
         results["runs"].push_back({{"model", m}, {"length", L}, {"layers", nl}, {"accuracy", acc},
-                                   {"final_accuracy", last}, {"train_seconds", r.train_seconds},
-                                   {"steps_per_s", r.steps_per_s}, {"dir", ro.out_dir}});
+                                   {"final_accuracy", last}, {"by_position", by_pos},
+                                   {"train_seconds", r.train_seconds}, {"steps_per_s", r.steps_per_s},
+                                   {"dir", ro.out_dir}});
         runs << "| " << pretty(m) << " | " << L << " | " << nl << " | " << pct(acc, 1) << " | "
-             << (last >= 0 ? pct(last, 1) : "-") << " | " << format_duration(r.train_seconds) << " |\n";
+             << (last >= 0 ? pct(last, 1) : "-") << " | " << leading_above(by_pos, 0.9) << " of " << L << " | "
+             << format_duration(r.train_seconds) << " |\n";
         std::fputs(("  " + pretty(m) + " L=" + std::to_string(L) + " layers=" + std::to_string(nl) +
                     ": token accuracy " + pct(acc, 1) + "%\n").c_str(), stderr);
         if (acc > 0.9) {

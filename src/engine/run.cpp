@@ -56,18 +56,37 @@ json evaluate(M& model, const Task& task, int64_t batch) {
     if (sets[s].size <= 0) continue;
     double loss_sum = 0;
     int64_t count = 0, correct = 0;
+    const bool by_pos = task.reports_by_position(s);
+    std::vector<int64_t> pos_count, pos_correct;  // per position t of the model's input
+    std::vector<int32_t> pred;
     for (int64_t first = 0; first < sets[s].size; first += batch) {
       const int64_t n = std::min(batch, sets[s].size - first);
       task.eval_batch(s, first, n, &b);
-      const StepStats st = model.forward(b.tokens.data(), b.targets.data(), b.B, b.T);
+      if (by_pos) pred.assign(size_t(b.B * b.T), -1);
+      const StepStats st = model.forward(b.tokens.data(), b.targets.data(), b.B, b.T, by_pos ? pred.data() : nullptr);
       loss_sum += st.loss * double(st.count);
       count += st.count;
       correct += st.correct;
+      if (by_pos) {
+        pos_count.resize(size_t(b.T), 0);
+        pos_correct.resize(size_t(b.T), 0);
+        for (int64_t i = 0; i < b.B * b.T; ++i) {
+          if (b.targets[i] < 0) continue;
+          ++pos_count[i % b.T];
+          pos_correct[i % b.T] += pred[i] == b.targets[i];
+        }
+      }
     }
     const double acc = count > 0 ? double(correct) / double(count) : 0.0;
     json r = {{"loss", count > 0 ? loss_sum / double(count) : 0.0}, {"accuracy", acc}, {"count", count},
               {"sequences", sets[s].size}};
     if (task.reports_error()) r["error"] = 1.0 - acc;
+    if (by_pos) {
+      json bp = json::array();
+      for (size_t t = 0; t < pos_count.size(); ++t)
+        bp.push_back(pos_count[t] > 0 ? double(pos_correct[t]) / double(pos_count[t]) : 0.0);
+      r["by_position"] = bp;
+    }
     out[sets[s].name] = r;
   }
   return out;

@@ -152,6 +152,7 @@ class A5Task final : public Task {
   std::vector<EvalSet> eval_sets() const override {
     return {{"test", c_.eval_sequences}, {"last", c_.eval_sequences}};
   }
+  bool reports_by_position(int set) const override { return set == 0; }
   void eval_example(int set, int64_t index, int32_t* tok, int32_t* tgt) const override {
     Rng rng(mix_seed(c_.data_seed, 200, uint64_t(index)));
     generate(rng, tok, tgt);

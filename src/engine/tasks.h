@@ -39,6 +39,9 @@ class Task {
   // Example `index` of test set `set` (an index into eval_sets()).
   virtual void eval_example(int set, int64_t index, int32_t* tokens, int32_t* targets) const = 0;
   virtual bool reports_error() const { return false; }  // flip-flop: error rather than accuracy
+  // Whether the evaluation also reports accuracy per position for test set `set` (a5's "test": position t
+  // needs the product of t + 1 elements, so the curve shows how far a model composes).
+  virtual bool reports_by_position(int /*set*/) const { return false; }
   // Readable form of a token (sampling and debugging).
   virtual std::string token_str(int32_t tok) const { return std::to_string(tok) + " "; }
   // Token ids of a prompt string (byte tasks: the bytes; others: whitespace-separated symbols).

@@ -268,8 +268,9 @@ TEST(EngineTasks, A5MixedLengthsAndCurriculum) {
   };
   auto range_of = [](const std::vector<int>& seen) {
     int lo = 99, hi = -1;
-    for (int l = 0; l <= 10; ++l)
+    for (int l = 0; l <= 10; ++l) {
       if (seen[l] > 0) lo = std::min(lo, l), hi = std::max(hi, l);
+    }
     return std::pair<int, int>(lo, hi);
   };
   EXPECT_EQ(range_of(scored_lengths(0)), std::make_pair(2, 2));
@@ -283,6 +284,35 @@ TEST(EngineTasks, A5MixedLengthsAndCurriculum) {
   EXPECT_THROW(make_task(tc), EngineError);  // a curriculum needs its starting length
   tc.curriculum_steps = 0;
   EXPECT_NO_THROW(make_task(tc));
+}
+
+// The a5 evaluation reports accuracy per position on "test" (every position scored) and not on "last";
+// the per-position accuracies weighted by their counts give the overall accuracy.
+TEST(EngineTasks, A5EvaluationByPosition) {
+  TaskConfig tc;
+  tc.name = "a5";
+  tc.seq_len = 6;
+  tc.eval_sequences = 37;  // not a multiple of the evaluation batch
+  auto task = make_task(tc);
+  ModelConfig mc;
+  mc.attn = AttnKind::path;
+  mc.vocab_size = task->vocab_size();
+  mc.d_model = 16;
+  mc.n_head = 2;
+  Model<double> m(mc);
+  m.init(5);
+  const nlohmann::json ev = evaluate(m, *task, 8);
+  ASSERT_TRUE(ev["test"].contains("by_position"));
+  EXPECT_FALSE(ev["last"].contains("by_position"));
+  const auto& bp = ev["test"]["by_position"];
+  ASSERT_EQ(bp.size(), 6u);
+  double sum = 0;
+  for (const auto& a : bp) {
+    EXPECT_GE(a.get<double>(), 0.0);
+    EXPECT_LE(a.get<double>(), 1.0);
+    sum += a.get<double>() * 37;  // every position is scored once per word
+  }
+  EXPECT_NEAR(sum / (6 * 37), ev["test"]["accuracy"].get<double>(), 1e-12);
 }
 
 TEST(EngineTasks, MqrarAnswersAreNthMostRecent) {
