@@ -1,0 +1,229 @@
+// dev/cuda/tf32_fragments.cu: how much of a chunk-kernel product is fragment assembly? Self-checking,
+// self-timing playground for the v3 plan (NOTES.md, "Profile of v2.1"): the 64 x N x KD tf32 products of the
+// chunk kernels with one operand stored [row][k] and the other [col][k] in shared memory (A = W W^T,
+// Z = W K^T, X = Q W^T), computed
+//   v0: with the library's accessor-fed fragments (mma_tc_acc from src/cuda/common.cuh, as the kernels do);
+//   v1: with ldmatrix-fed fragments: an 8 x 4 tile of 32-bit words is one ldmatrix 8 x 8 b16 matrix, and the
+//       m16n8k8 tf32 A fragment (rows g / g + 8, columns t / t + 4) is four of them (one ldmatrix.x4); the B
+//       fragment of two k-steps is one more. Same tiling, same conversions (cvt.rna.tf32), same mma order.
+//   v2: v1 without conversions in the loop: plain tf32 operands are rounded once when staged (cvt.rna, so the
+//       products equal v0's bit for bit); split-tf32 operands stay fp32 and split by a mask (head = the top 19
+//       bits, tail = x - head, exact in fp32, passed as is: its own truncation is 2^-21 of x).
+// Check: v1 (and plain v2) equal v0 bit for bit; every variant matches an fp64 host product within the tf32
+// (or split-tf32) bound.
+// Timing: a grid of chunk-kernel size (8192 CTAs of 16 warps), each CTA repeating the product; optional
+// extra shared memory to hold one CTA per SM as the real kernels do.
+// Build and run (from the repository root; sm_90a, or sm_80 for an A100):
+//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc dev/cuda/tf32_fragments.cu -o tf32_fragments && ./tf32_fragments
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/common.cuh"
+
+using namespace pathattn::cuda;
+
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+constexpr int kM = 64;
+
+// acc += A B with A(r, k) = As[r * LD + k], B(k, n) = Bs[n * LD + k], fragments through ldmatrix. kPre:
+// plain operands are already tf32 in shared memory (no conversion), split operands split by a mask.
+template <int N, int KD, bool kX3, int LD, bool kPre>
+__device__ __forceinline__ void mma_ldm_acc(typename TcTile<kM, N>::Acc& acc, const float* As, const float* Bs) {
+  using TT = TcTile<kM, N>;
+  constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
+  static_assert(KD % 16 == 0 && LD % 4 == 0, "k-steps in pairs; 16-byte rows");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp % WM, wn = warp / WM;
+  const int li = lane & 7, lj = lane >> 3;  // ldmatrix: this lane addresses row li of matrix lj
+  auto split = [](uint32_t x, uint32_t& hi, uint32_t& lo) {
+    const float f = __uint_as_float(x);
+    if (kPre) {
+      hi = x & 0xffffe000u;
+      lo = __float_as_uint(f - __uint_as_float(hi));
+    } else {
+      hi = to_tf32(f);
+      lo = to_tf32(f - __uint_as_float(hi));
+    }
+  };
+  auto conv = [](uint32_t x) { return kPre ? x : to_tf32(__uint_as_float(x)); };
+#pragma unroll 2
+  for (int k0 = 0; k0 < KD; k0 += 16) {
+    // A: per m-tile and k-half, matrices (rows +0 / +8) x (columns +0 / +4).
+    uint32_t ah[2][MPW][4], al[2][MPW][4];
+#pragma unroll
+    for (int mi = 0; mi < MPW; ++mi) {
+      const int m0 = 16 * (wm + WM * mi);
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        uint32_t r[4];
+        ldsm_x4(r, As + (m0 + (lj & 1) * 8 + li) * LD + k0 + 8 * kh + (lj >> 1) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (kX3) split(r[e], ah[kh][mi][e], al[kh][mi][e]);
+          else ah[kh][mi][e] = conv(r[e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int n0 = 8 * (wn * NTW + nt);
+      // B: rows n0..n0+7, columns k0 + 4 lj: b0 / b1 of k-step k0 (lj = 0, 1) and of k0 + 8 (lj = 2, 3).
+      uint32_t r[4];
+      ldsm_x4(r, Bs + (n0 + li) * LD + k0 + 4 * lj);
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
+        if (kX3) {
+          split(r[2 * kh], bh0, bl0);
+          split(r[2 * kh + 1], bh1, bl1);
+        } else {
+          bh0 = conv(r[2 * kh]);
+          bh1 = conv(r[2 * kh + 1]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MPW; ++mi) {
+          if (kX3) {
+            mma1688_tf32(acc[mi][nt], al[kh][mi], bh0, bh1);
+            mma1688_tf32(acc[mi][nt], ah[kh][mi], bl0, bl1);
+          }
+          mma1688_tf32(acc[mi][nt], ah[kh][mi], bh0, bh1);
+        }
+      }
+    }
+  }
+}
+
+// Each CTA loads its A [64][KD] and B [N][KD] (row-major in global) into shared memory (leading dim
+// KD + 4: conflict-free for both fragment patterns), runs `reps` products into one accumulator, writes it.
+template <int V, int N, int KD, bool kX3>
+__global__ void __launch_bounds__(kTcThreads) product_kernel(const float* A, const float* B, float* out, int reps) {
+  constexpr int LD = KD + 4;
+  extern __shared__ float sm[];
+  float* As = sm;
+  float* Bs = sm + kM * LD;
+  const float* Ag = A + size_t(blockIdx.x) * kM * KD;
+  const float* Bg = B + size_t(blockIdx.x) * N * KD;
+  for (int i = threadIdx.x; i < kM * KD; i += blockDim.x) As[(i / KD) * LD + i % KD] = Ag[i];
+  for (int i = threadIdx.x; i < N * KD; i += blockDim.x) Bs[(i / KD) * LD + i % KD] = Bg[i];
+  __syncthreads();
+  if (V == 2 && !kX3) {  // round once where the operands are staged
+    for (int i = threadIdx.x; i < (kM + N) * LD; i += blockDim.x) sm[i] = __uint_as_float(to_tf32(sm[i]));
+    __syncthreads();
+  }
+  using TT = TcTile<kM, N>;
+  typename TT::Acc acc;
+  TT::zero(acc);
+  for (int rep = 0; rep < reps; ++rep) {
+    if (V == 0) {
+      mma_tc_acc<kM, N, KD, kX3>(acc, [&](int r, int k) { return As[r * LD + k]; },
+                                 [&](int k, int n) { return Bs[n * LD + k]; });
+    } else {
+      mma_ldm_acc<N, KD, kX3, LD, V == 2>(acc, As, Bs);
+    }
+  }
+  float* o = out + size_t(blockIdx.x) * kM * N;
+  TT::each(acc, [&](int r, int c, float& v) { o[r * N + c] = v; });
+}
+
+template <int N, int KD, bool kX3>
+void run_case(int blocks, int reps, int pad_kb) {
+  constexpr int LD = KD + 4;
+  const size_t smem = sizeof(float) * size_t(kM + N) * LD + size_t(pad_kb) * 1024;
+  std::vector<float> hA(size_t(blocks) * kM * KD), hB(size_t(blocks) * N * KD);
+  std::mt19937 rng(1234 + N + KD + kX3);
+  std::normal_distribution<float> nd;
+  for (float& x : hA) x = nd(rng);
+  for (float& x : hB) x = nd(rng);
+  float *dA, *dB, *dO[3];
+  const size_t nout = size_t(blocks) * kM * N;
+  CK(cudaMalloc(&dA, hA.size() * 4));
+  CK(cudaMalloc(&dB, hB.size() * 4));
+  for (float*& o : dO) CK(cudaMalloc(&o, nout * 4));
+  CK(cudaMemcpy(dA, hA.data(), hA.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dB, hB.data(), hB.size() * 4, cudaMemcpyHostToDevice));
+  using Kern = void (*)(const float*, const float*, float*, int);
+  const Kern kerns[3] = {product_kernel<0, N, KD, kX3>, product_kernel<1, N, KD, kX3>, product_kernel<2, N, KD, kX3>};
+  for (Kern k : kerns) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+
+  // Check with one product per CTA.
+  std::vector<std::vector<float>> h(3, std::vector<float>(nout));
+  for (int v = 0; v < 3; ++v) {
+    kerns[v]<<<blocks, kTcThreads, smem>>>(dA, dB, dO[v], 1);
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(h[v].data(), dO[v], nout * 4, cudaMemcpyDeviceToHost));
+  }
+  size_t differ[3] = {0, 0, 0};
+  double rel[3];
+  for (int v = 0; v < 3; ++v) {
+    for (size_t i = 0; i < nout; ++i) differ[v] += std::memcmp(&h[0][i], &h[v][i], 4) != 0;
+    double num = 0, den = 0;
+    for (int b = 0; b < 4; ++b)
+      for (int r = 0; r < kM; ++r)
+        for (int n = 0; n < N; ++n) {
+          double s = 0;
+          for (int k = 0; k < KD; ++k)
+            s += double(hA[(size_t(b) * kM + r) * KD + k]) * double(hB[(size_t(b) * N + n) * KD + k]);
+          const double d = double(h[v][(size_t(b) * kM + r) * N + n]) - s;
+          num += d * d;
+          den += s * s;
+        }
+    rel[v] = std::sqrt(num / den);
+  }
+  const double bound = kX3 ? 1e-5 : 2e-3;
+  const bool ok = differ[1] == 0 && (kX3 || differ[2] == 0) && rel[0] <= bound && rel[1] <= bound && rel[2] <= bound;
+
+  // Timing: `reps` products per CTA, median of 7 launches after a warm-up.
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  float t[3];
+  for (int v = 0; v < 3; ++v) {
+    std::vector<float> ms;
+    for (int it = 0; it < 8; ++it) {
+      CK(cudaEventRecord(e0));
+      kerns[v]<<<blocks, kTcThreads, smem>>>(dA, dB, dO[v], reps);
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float x = 0;
+      CK(cudaEventElapsedTime(&x, e0, e1));
+      if (it > 0) ms.push_back(x);
+    }
+    std::sort(ms.begin(), ms.end());
+    t[v] = ms[ms.size() / 2];
+  }
+  std::printf("64 x %3d x %3d %s smem %3zu KB: %s | rel L2 vs fp64 v0 %.1e v1 %.1e v2 %.1e (bound %.0e), bitwise "
+              "differ from v0: v1 %zu v2 %zu | ms v0 %.3f v1 %.3f v2 %.3f | speedup v1 %.2fx v2 %.2fx\n",
+              N, KD, kX3 ? "split-tf32" : "tf32      ", smem / 1024, ok ? "OK" : "FAIL", rel[0], rel[1], rel[2],
+              bound, differ[1], differ[2], t[0], t[1], t[2], t[0] / t[1], t[0] / t[2]);
+  CK(cudaFree(dA));
+  CK(cudaFree(dB));
+  for (float* o : dO) CK(cudaFree(o));
+  if (!ok) std::exit(2);
+}
+
+int main(int argc, char** argv) {
+  const int blocks = argc > 1 ? std::atoi(argv[1]) : 8192, reps = argc > 2 ? std::atoi(argv[2]) : 8;
+  std::printf("tf32 fragment assembly: %d CTAs x %d threads, %d products each\n", blocks, kTcThreads, reps);
+  for (int pad : {0, 100}) {  // pad 100 KB: one CTA per SM, as chunk_prep / bwd_chunk run
+    run_case<64, 128, false>(blocks, reps, pad);
+    run_case<64, 128, true>(blocks, reps, pad);
+    run_case<64, 64, false>(blocks, reps, pad);
+    run_case<128, 64, false>(blocks, reps, pad);
+  }
+  return 0;
+}
