@@ -184,6 +184,14 @@ TEST(EngineTasks, FlipFlopFormat) {
   }
 }
 
+// An a5 task config of words of `len` elements.
+TaskConfig a5_config(int len) {
+  TaskConfig tc;
+  tc.name = "a5";
+  tc.seq_len = len;
+  return tc;
+}
+
 TEST(EngineTasks, A5GroupAndLabels) {
   A5Group g;
   ASSERT_EQ(g.perms.size(), 60u);
@@ -197,10 +205,7 @@ TEST(EngineTasks, A5GroupAndLabels) {
     for (int b = 0; b < 60; b += 5)
       for (int c = 0; c < 60; c += 3)
         ASSERT_EQ(g.mul[g.mul[a * 60 + b] * 60 + c], g.mul[a * 60 + g.mul[b * 60 + c]]);
-  TaskConfig tc;
-  tc.name = "a5";
-  tc.seq_len = 12;
-  auto t = make_task(tc);
+  auto t = make_task(a5_config(12));
   Batch b;
   t->train_batch(3, 5, 4, &b);
   for (int64_t s = 0; s < 4; ++s) {
@@ -214,9 +219,7 @@ TEST(EngineTasks, A5GroupAndLabels) {
 
 TEST(EngineTasks, A5TestSetsScoreEveryPositionAndTheFinalProduct) {
   A5Group g;
-  TaskConfig tc;
-  tc.name = "a5";
-  tc.seq_len = 7;
+  TaskConfig tc = a5_config(7);
   tc.eval_sequences = 5;
   auto t = make_task(tc);
   const auto sets = t->eval_sets();
@@ -241,9 +244,7 @@ TEST(EngineTasks, A5TestSetsScoreEveryPositionAndTheFinalProduct) {
 // whose length lies in [min_len, longest(step)], and every length in that range occurs.
 TEST(EngineTasks, A5MixedLengthsAndCurriculum) {
   A5Group g;
-  TaskConfig tc;
-  tc.name = "a5";
-  tc.seq_len = 10;
+  TaskConfig tc = a5_config(10);
   tc.min_len = 2;
   tc.curriculum_steps = 100;
   auto t = make_task(tc);
@@ -289,9 +290,7 @@ TEST(EngineTasks, A5MixedLengthsAndCurriculum) {
 // The a5 evaluation reports accuracy per position on "test" (every position scored) and not on "last";
 // the per-position accuracies weighted by their counts give the overall accuracy.
 TEST(EngineTasks, A5EvaluationByPosition) {
-  TaskConfig tc;
-  tc.name = "a5";
-  tc.seq_len = 6;
+  TaskConfig tc = a5_config(6);
   tc.eval_sequences = 37;  // not a multiple of the evaluation batch
   auto task = make_task(tc);
   ModelConfig mc;
