@@ -54,7 +54,7 @@ def short_name(mangled):
         pos += len(digits)
         idents.append(mangled[pos: pos + int(digits)])
         pos += int(digits)
-    kernel = next((i for i in reversed(idents) if i.endswith("_kernel")), None)
+    kernel = next((i for i in reversed(idents) if i.endswith("_kernel")), idents[-1] if idents else None)
     if kernel is None:
         return mangled[:60]
     args = mangled[pos:]
