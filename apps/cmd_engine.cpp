@@ -197,7 +197,7 @@ void register_engine(CLI::App& app, int* exit_code) {
   eval->add_option("--batch", ea->batch, "Sequences per forward (default 32)");
   eval->add_option("--backend", ea->backend, "Attention backend: cpu or oracle");
   eval->add_option("--threads", ea->threads, "Attention threads (0: default)");
-  eval->add_option("--device", ea->device, "Evaluate on cpu or cuda (default: the checkpoint's train.device)");
+  eval->add_option("--device", ea->device, "Evaluate on cpu or cuda (default: the checkpoint's train.device, or cpu where no GPU is usable)");
   eval->callback([ea, exit_code] {
     guarded(exit_code, [&] {
       const json r = evaluate_checkpoint(ea->checkpoint, ea->batch, parse_backend(ea->backend), ea->threads,

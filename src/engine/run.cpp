@@ -289,7 +289,15 @@ json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend
   RunConfig cfg = resolve_config(ck.config, *task);
   if (!device.empty()) cfg.train.device = device;
   cfg.train.dtype = ck.dtype;
-  check_device(cfg);
+  try {
+    check_device(cfg);
+  } catch (const EngineError&) {
+    // Not asked for a device: a checkpoint trained on a GPU is evaluated on the CPU where this build or
+    // machine has none (checkpoints are device-independent). An explicit --device still fails clearly.
+    if (!device.empty() || cfg.train.device != "cuda") throw;
+    cfg.train.device = "cpu";
+    check_device(cfg);
+  }
   out["device"] = cfg.train.device;
 #ifdef PATHATTN_ENGINE_CUDA
   if (cfg.train.device == "cuda") {

@@ -106,6 +106,44 @@ TEST(EngineTrain, CheckpointRoundTrip) {
   fs::remove_all(dir);
 }
 
+// A checkpoint that records train.device = "cuda" evaluates on the CPU when no device is asked for and this
+// build or machine has no usable GPU; asking for cuda explicitly there is an error naming the setting.
+TEST(EngineTrain, EvalOfAGpuCheckpointWithoutAGpu) {
+  const std::string dir = temp_dir("gpuckpt");
+  RunConfig c = tiny_flipflop(AttnKind::path);
+  c.train.steps = 2;
+  RunOptions ro;
+  ro.out_dir = dir;
+  ro.progress = false;
+  const RunResult r = train_run(c, ro);
+  const CheckpointInfo ck = read_checkpoint(dir + "/ckpt.safetensors");
+  Model<float> m(r.config.model);
+  AdamW<float> opt;
+  restore_checkpoint(ck, m, &opt);
+  RunConfig gpu = ck.config;
+  gpu.train.device = "cuda";
+  save_checkpoint(dir + "/gpu.safetensors", gpu, m, opt, ck.step);
+  RunConfig probe = gpu;
+  bool has_gpu = true;
+  try {
+    check_device(probe);
+  } catch (const EngineError&) {
+    has_gpu = false;
+  }
+  if (has_gpu) GTEST_SKIP() << "a GPU is usable here: the checkpoint evaluates on it";
+  const nlohmann::json cpu = evaluate_checkpoint(dir + "/ckpt.safetensors", 16, Backend::cpu, 1, "");
+  const nlohmann::json fallback = evaluate_checkpoint(dir + "/gpu.safetensors", 16, Backend::cpu, 1, "");
+  EXPECT_EQ(fallback["device"], "cpu");
+  EXPECT_EQ(fallback["eval"], cpu["eval"]);  // same parameters, same evaluation
+  try {
+    evaluate_checkpoint(dir + "/gpu.safetensors", 16, Backend::cpu, 1, "cuda");
+    ADD_FAILURE() << "an explicit --device cuda without a GPU must fail";
+  } catch (const EngineError& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 // Stop after 40 of 80 steps (a checkpoint every 20, as a killed run leaves), resume, compare with one run.
 TEST(EngineTrain, ResumeIsBitwiseIdentical) {
   for (AttnKind attn : {AttnKind::path, AttnKind::rope}) {
