@@ -21,6 +21,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
+#include "tf32_nt.cuh"
 
 using namespace pathattn::cuda;
 
@@ -37,69 +38,13 @@ namespace v3 {
 
 __device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
 
-// acc += A B^T over this thread's TcTile<64, N> outputs: A [64][KD] at A[r * lda + k], B [N][KD] at
-// B[n * ldb + k], both in shared memory with 16-byte rows (lda, ldb multiples of 4). kSplit: operands are fp32,
-// split in the loop by a mask (head = top 19 bits, tail = x - head passed as is); else operands are already
-// tf32 values and go to the mma unconverted. Fragments by ldmatrix: an 8 x 4 tile of 32-bit words is one
-// 8 x 8 b16 matrix, the m16n8k8 A fragment four of them, the B fragment of two k-steps four more.
-template <int N, int KD, bool kSplit>
-__device__ __forceinline__ void mma_nt(typename TcTile<64, N>::Acc& acc, const float* A, int lda, const float* B,
-                                       int ldb) {
-  using TT = TcTile<64, N>;
-  constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
-  static_assert(KD % 16 == 0, "k in steps of 16");
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wm = warp % WM, wn = warp / WM, li = lane & 7, lj = lane >> 3;
-  auto split = [](uint32_t x, uint32_t& hi, uint32_t& lo) {
-    hi = x & 0xffffe000u;
-    lo = __float_as_uint(__uint_as_float(x) - __uint_as_float(hi));
-  };
-#pragma unroll 2
-  for (int k0 = 0; k0 < KD; k0 += 16) {
-    uint32_t ah[2][MPW][4], al[2][MPW][4];
-#pragma unroll
-    for (int mi = 0; mi < MPW; ++mi) {
-      const int m0 = 16 * (wm + WM * mi);
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        ldsm_x4(ah[kh][mi], A + (m0 + (lj & 1) * 8 + li) * lda + k0 + 8 * kh + (lj >> 1) * 4);
-        if (kSplit) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) split(ah[kh][mi][e], ah[kh][mi][e], al[kh][mi][e]);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
-      uint32_t r[4];
-      ldsm_x4(r, B + (8 * (wn * NTW + nt) + li) * ldb + k0 + 4 * lj);
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        uint32_t bh0 = r[2 * kh], bh1 = r[2 * kh + 1], bl0 = 0, bl1 = 0;
-        if (kSplit) {
-          split(bh0, bh0, bl0);
-          split(bh1, bh1, bl1);
-        }
-#pragma unroll
-        for (int mi = 0; mi < MPW; ++mi) {
-          if (kSplit) {
-            mma1688_tf32(acc[mi][nt], al[kh][mi], bh0, bh1);
-            mma1688_tf32(acc[mi][nt], ah[kh][mi], bl0, bl1);
-          }
-          mma1688_tf32(acc[mi][nt], ah[kh][mi], bh0, bh1);
-        }
-      }
-    }
-  }
-}
-
 // One product into a fresh accumulator, then (after every warp has read its operands) out(r, c, v).
 template <int N, int KD, bool kSplit, class FO>
 __device__ __forceinline__ void product(const float* A, int lda, const float* B, int ldb, FO out) {
   using TT = TcTile<64, N>;
   typename TT::Acc acc;
   TT::zero(acc);
-  mma_nt<N, KD, kSplit>(acc, A, lda, B, ldb);
+  dev::mma_nt<N, KD, kSplit, true>(acc, A, lda, B, ldb);
   __syncthreads();
   TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
 }
@@ -201,7 +146,7 @@ __global__ void __launch_bounds__(kTcThreads) chunk_prep_v3(KernelParams p) {
       using TT = TcTile<64, K>;
       typename TT::Acc acc;
       TT::zero(acc);
-      mma_nt<K, C, false>(acc, R2, LC, W2T, LC);
+      dev::mma_nt<K, C, false, true>(acc, R2, LC, W2T, LC);
       TT::each(acc, [&](int r, int d, float& v) {
         if (r < nq) p.qtl[((tok0 + r) * p.HQ + hq) * K + d] = WQ[r * LW + d] - v;
       });
@@ -211,8 +156,8 @@ __global__ void __launch_bounds__(kTcThreads) chunk_prep_v3(KernelParams p) {
       using TT = TcTile<64, C>;
       typename TT::Acc acc;
       TT::zero(acc);
-      mma_nt<C, K, false>(acc, WQ, LW, Kf, LW);
-      mma_nt<C, C, false>(acc, R2, LC, R1, LC);
+      dev::mma_nt<C, K, false, true>(acc, WQ, LW, Kf, LW);
+      dev::mma_nt<C, C, false, true>(acc, R2, LC, R1, LC);
       TT::each(acc, [&](int r, int c, float& v) {
         if (r < nq) p.aloc[((tok0 + r) * p.HQ + hq) * kChunk + c] = c <= r ? v : 0.f;
       });

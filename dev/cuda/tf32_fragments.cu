@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "tf32_nt.cuh"
 
 using namespace pathattn::cuda;
 
@@ -39,74 +40,6 @@ using namespace pathattn::cuda;
   } while (0)
 
 constexpr int kM = 64;
-
-// acc += A B with A(r, k) = As[r * LD + k], B(k, n) = Bs[n * LD + k], fragments through ldmatrix. kPre:
-// plain operands are already tf32 in shared memory (no conversion), split operands split by a mask.
-template <int N, int KD, bool kX3, int LD, bool kPre>
-__device__ __forceinline__ void mma_ldm_acc(typename TcTile<kM, N>::Acc& acc, const float* As, const float* Bs) {
-  using TT = TcTile<kM, N>;
-  constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
-  static_assert(KD % 16 == 0 && LD % 4 == 0, "k-steps in pairs; 16-byte rows");
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wm = warp % WM, wn = warp / WM;
-  const int li = lane & 7, lj = lane >> 3;  // ldmatrix: this lane addresses row li of matrix lj
-  auto split = [](uint32_t x, uint32_t& hi, uint32_t& lo) {
-    const float f = __uint_as_float(x);
-    if (kPre) {
-      hi = x & 0xffffe000u;
-      lo = __float_as_uint(f - __uint_as_float(hi));
-    } else {
-      hi = to_tf32(f);
-      lo = to_tf32(f - __uint_as_float(hi));
-    }
-  };
-  auto conv = [](uint32_t x) { return kPre ? x : to_tf32(__uint_as_float(x)); };
-#pragma unroll 2
-  for (int k0 = 0; k0 < KD; k0 += 16) {
-    // A: per m-tile and k-half, matrices (rows +0 / +8) x (columns +0 / +4).
-    uint32_t ah[2][MPW][4], al[2][MPW][4];
-#pragma unroll
-    for (int mi = 0; mi < MPW; ++mi) {
-      const int m0 = 16 * (wm + WM * mi);
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        uint32_t r[4];
-        ldsm_x4(r, As + (m0 + (lj & 1) * 8 + li) * LD + k0 + 8 * kh + (lj >> 1) * 4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (kX3) split(r[e], ah[kh][mi][e], al[kh][mi][e]);
-          else ah[kh][mi][e] = conv(r[e]);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
-      const int n0 = 8 * (wn * NTW + nt);
-      // B: rows n0..n0+7, columns k0 + 4 lj: b0 / b1 of k-step k0 (lj = 0, 1) and of k0 + 8 (lj = 2, 3).
-      uint32_t r[4];
-      ldsm_x4(r, Bs + (n0 + li) * LD + k0 + 4 * lj);
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
-        if (kX3) {
-          split(r[2 * kh], bh0, bl0);
-          split(r[2 * kh + 1], bh1, bl1);
-        } else {
-          bh0 = conv(r[2 * kh]);
-          bh1 = conv(r[2 * kh + 1]);
-        }
-#pragma unroll
-        for (int mi = 0; mi < MPW; ++mi) {
-          if (kX3) {
-            mma1688_tf32(acc[mi][nt], al[kh][mi], bh0, bh1);
-            mma1688_tf32(acc[mi][nt], ah[kh][mi], bl0, bl1);
-          }
-          mma1688_tf32(acc[mi][nt], ah[kh][mi], bh0, bh1);
-        }
-      }
-    }
-  }
-}
 
 // Each CTA loads its A [64][KD] and B [N][KD] (row-major in global) into shared memory (leading dim
 // KD + 4: conflict-free for both fragment patterns), runs `reps` products into one accumulator, writes it.
@@ -133,7 +66,7 @@ __global__ void __launch_bounds__(kTcThreads) product_kernel(const float* A, con
       mma_tc_acc<kM, N, KD, kX3>(acc, [&](int r, int k) { return As[r * LD + k]; },
                                  [&](int k, int n) { return Bs[n * LD + k]; });
     } else {
-      mma_ldm_acc<N, KD, kX3, LD, V == 2>(acc, As, Bs);
+      dev::mma_nt<N, KD, kX3, V == 2>(acc, As, LD, Bs, LD);
     }
   }
   float* o = out + size_t(blockIdx.x) * kM * N;

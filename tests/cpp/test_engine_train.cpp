@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <cstring>
 #include <fstream>
+#include <memory>
 
 #include <unistd.h>
 #include <utility>
@@ -81,21 +82,31 @@ TEST(EngineTrain, AdamWStepAndClip) {
     }
 }
 
-TEST(EngineTrain, CheckpointRoundTrip) {
-  const std::string dir = temp_dir("roundtrip");
-  RunConfig c = tiny_flipflop(AttnKind::path_fox);
-  c.train.steps = 3;
+// A quiet tiny flip-flop run of `steps` steps into `dir`, its final checkpoint restored into m and opt.
+RunResult tiny_run_restored(const std::string& dir, AttnKind attn, int steps, CheckpointInfo* ck,
+                            std::unique_ptr<Model<float>>* m, AdamW<float>* opt) {
+  RunConfig c = tiny_flipflop(attn);
+  c.train.steps = steps;
   RunOptions ro;
   ro.out_dir = dir;
   ro.progress = false;
-  const RunResult r = train_run(c, ro);
-  const CheckpointInfo ck = read_checkpoint(dir + "/ckpt.safetensors");
+  RunResult r = train_run(c, ro);
+  *ck = read_checkpoint(dir + "/ckpt.safetensors");
+  *m = std::make_unique<Model<float>>(r.config.model);
+  restore_checkpoint(*ck, **m, opt);
+  return r;
+}
+
+TEST(EngineTrain, CheckpointRoundTrip) {
+  const std::string dir = temp_dir("roundtrip");
+  CheckpointInfo ck;
+  std::unique_ptr<Model<float>> mp;
+  AdamW<float> opt;
+  const RunResult r = tiny_run_restored(dir, AttnKind::path_fox, 3, &ck, &mp, &opt);
+  const Model<float>& m = *mp;
   EXPECT_EQ(ck.step, 3);
   EXPECT_EQ(ck.dtype, "f32");
   EXPECT_EQ(ck.config.model.attn, AttnKind::path_fox);
-  Model<float> m(r.config.model);
-  AdamW<float> opt;
-  restore_checkpoint(ck, m, &opt);
   EXPECT_EQ(m.params, r.params_f32);
   EXPECT_EQ(opt.t, 3);
   // The run directory has its files.
@@ -110,19 +121,13 @@ TEST(EngineTrain, CheckpointRoundTrip) {
 // build or machine has no usable GPU; asking for cuda explicitly there is an error naming the setting.
 TEST(EngineTrain, EvalOfAGpuCheckpointWithoutAGpu) {
   const std::string dir = temp_dir("gpuckpt");
-  RunConfig c = tiny_flipflop(AttnKind::path);
-  c.train.steps = 2;
-  RunOptions ro;
-  ro.out_dir = dir;
-  ro.progress = false;
-  const RunResult r = train_run(c, ro);
-  const CheckpointInfo ck = read_checkpoint(dir + "/ckpt.safetensors");
-  Model<float> m(r.config.model);
+  CheckpointInfo ck;
+  std::unique_ptr<Model<float>> m;
   AdamW<float> opt;
-  restore_checkpoint(ck, m, &opt);
+  tiny_run_restored(dir, AttnKind::path, 2, &ck, &m, &opt);
   RunConfig gpu = ck.config;
   gpu.train.device = "cuda";
-  save_checkpoint(dir + "/gpu.safetensors", gpu, m, opt, ck.step);
+  save_checkpoint(dir + "/gpu.safetensors", gpu, *m, opt, ck.step);
   RunConfig probe = gpu;
   bool has_gpu = true;
   try {

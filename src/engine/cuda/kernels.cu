@@ -504,11 +504,18 @@ void conv3_silu_bwd(const float* x, const float* wc, const float* c, const float
   colsum(ConvDw{x, c, dy, T_, D}, dwc, N, 3 * D, s, "conv3_silu_bwd dwc");
 }
 
+// The row stride of a padded head array: Kp (0 means K), which must be >= K.
+static int64_t padded_stride(int64_t K, int64_t Kp, const char* what) {
+  Kp = Kp > 0 ? Kp : K;
+  if (Kp < K)
+    throw EngineError(std::string(what) + ": row stride " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  return Kp;
+}
+
 void l2norm_fwd(const float* u, float* w, float* rinv, int64_t N, int64_t NH, int64_t K, double eps, cudaStream_t s,
                 int64_t Kp) {
   if (N * NH <= 0) return;
-  Kp = Kp > 0 ? Kp : K;
-  if (Kp < K) throw EngineError("l2norm_fwd: row stride " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  Kp = padded_stride(K, Kp, "l2norm_fwd");
   l2norm_fwd_kernel<<<row_blocks(N * NH), kThreads, 0, s>>>(u, w, rinv, N * NH, K, Kp, eps);
   check(cudaGetLastError(), "l2norm_fwd");
 }
@@ -516,8 +523,7 @@ void l2norm_fwd(const float* u, float* w, float* rinv, int64_t N, int64_t NH, in
 void l2norm_bwd(const float* w, const float* rinv, const float* dw, float* du, int64_t N, int64_t NH, int64_t K,
                 cudaStream_t s, int64_t Kp) {
   if (N * NH <= 0) return;
-  Kp = Kp > 0 ? Kp : K;
-  if (Kp < K) throw EngineError("l2norm_bwd: row stride " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  Kp = padded_stride(K, Kp, "l2norm_bwd");
   l2norm_bwd_kernel<<<row_blocks(N * NH), kThreads, 0, s>>>(w, rinv, dw, du, N * NH, K, Kp);
   check(cudaGetLastError(), "l2norm_bwd");
 }
@@ -551,14 +557,12 @@ void from_bf16(const __nv_bfloat16* x, float* y, int64_t n, cudaStream_t s) {
   check(cudaGetLastError(), "from_bf16");
 }
 void to_bf16_padded(const float* x, __nv_bfloat16* y, int64_t rows, int64_t K, int64_t Kp, cudaStream_t s) {
-  if (Kp == K) return to_bf16(x, y, rows * K, s);
-  if (Kp < K) throw EngineError("to_bf16_padded: Kp = " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  if (padded_stride(K, Kp, "to_bf16_padded") == K) return to_bf16(x, y, rows * K, s);
   to_bf16_padded_kernel<<<blocks_for(rows * Kp), kThreads, 0, s>>>(x, y, rows, K, Kp);
   check(cudaGetLastError(), "to_bf16_padded");
 }
 void from_bf16_padded(const __nv_bfloat16* x, float* y, int64_t rows, int64_t K, int64_t Kp, cudaStream_t s) {
-  if (Kp == K) return from_bf16(x, y, rows * K, s);
-  if (Kp < K) throw EngineError("from_bf16_padded: Kp = " + std::to_string(Kp) + " < K = " + std::to_string(K));
+  if (padded_stride(K, Kp, "from_bf16_padded") == K) return from_bf16(x, y, rows * K, s);
   from_bf16_padded_kernel<<<blocks_for(rows * K), kThreads, 0, s>>>(x, y, rows, K, Kp);
   check(cudaGetLastError(), "from_bf16_padded");
 }

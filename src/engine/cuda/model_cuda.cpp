@@ -167,10 +167,11 @@ struct CudaModel::Impl {
     return make_view(p, dt, shape, Device::cuda);
   }
 
-  // The attention op on head rows of Kp (q, k, v, w zero-padded by the conversions before it).
-  void attention_fwd(LayerActs& a, int64_t B, int64_t T_) {
+  // What the forward and the backward call share: the layer's inputs on head rows of Kp (q, k, v, w
+  // zero-padded by the conversions before it), o and lse, the scales of the true head dim, the stream.
+  template <class P>
+  void attention_inputs(P& p, const LayerActs& a, int64_t B, int64_t T_) {
     const int64_t HQ = cfg.n_head, H = cfg.H();
-    PathFwdParams p;
     p.scale = 1.0 / std::sqrt(double(cfg.K()));  // the true head dim's (the op's default, bit for bit, at K = Kp)
     p.gate_scale = p.scale;                        // the op's default, which the CPU engine uses
     p.q = view(a.qb, DType::bf16, {B, T_, HQ, Kp});
@@ -185,6 +186,11 @@ struct CudaModel::Impl {
     p.lse = view(a.lse, DType::f32, {B, T_, HQ});
     p.backend = Backend::cuda;
     p.stream = s;
+  }
+
+  void attention_fwd(LayerActs& a, int64_t B, int64_t T_) {
+    PathFwdParams p;
+    attention_inputs(p, a, B, T_);
     const Status st = path_attn_fwd(p);
     if (!st.ok()) throw EngineError("attention forward (backend cuda): " + st.message());
   }
@@ -192,30 +198,17 @@ struct CudaModel::Impl {
   void attention_bwd(LayerActs& a, int64_t B, int64_t T_) {
     const int64_t HQ = cfg.n_head, H = cfg.H();
     PathBwdParams p;
-    p.scale = 1.0 / std::sqrt(double(cfg.K()));
-    p.gate_scale = p.scale;
-    p.q = view(a.qb, DType::bf16, {B, T_, HQ, Kp});
-    p.k = view(a.kb, DType::bf16, {B, T_, H, Kp});
-    p.v = view(a.vb, DType::bf16, {B, T_, H, Kp});
-    p.o = view(a.ob, DType::bf16, {B, T_, HQ, Kp});
-    p.lse = view(a.lse, DType::f32, {B, T_, HQ});
+    attention_inputs(p, a, B, T_);
     p.do_ = view(dOb, DType::bf16, {B, T_, HQ, Kp});
     p.dq = view(dqb, DType::bf16, {B, T_, HQ, Kp});
     p.dk = view(dkb, DType::bf16, {B, T_, H, Kp});
     p.dv = view(dvb, DType::bf16, {B, T_, H, Kp});
     if (attn_has_path(cfg.attn)) {
-      p.w = view(a.w, DType::f32, {B, T_, H, Kp});
-      p.beta = view(a.beta, DType::f32, {B, T_, H});
       p.dw = view(dw, DType::f32, {B, T_, H, Kp});
       p.dbeta = view(dbeta, DType::f32, {B, T_, H});
     }
-    if (attn_has_gate(cfg.attn)) {
-      p.g = view(a.g, DType::f32, {B, T_, HQ});
-      p.dg = view(dg, DType::f32, {B, T_, HQ});
-    }
-    p.backend = Backend::cuda;
+    if (attn_has_gate(cfg.attn)) p.dg = view(dg, DType::f32, {B, T_, HQ});
     p.deterministic = true;  // bitwise-reproducible gradients: CUDA runs resume exactly
-    p.stream = s;
     const Status st = path_attn_bwd(p);
     if (!st.ok()) throw EngineError("attention backward (backend cuda): " + st.message());
   }

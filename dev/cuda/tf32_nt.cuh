@@ -1,0 +1,80 @@
+// dev/cuda/tf32_nt.cuh: the ldmatrix-fed tf32 block product of the dev/cuda playgrounds (tf32_fragments.cu,
+// chunk_prep_v3.cu): acc += A B^T over this thread's TcTile<64, N> outputs, A [64][KD] at A[r * lda + k] and
+// B [N][KD] at B[n * ldb + k] in shared memory with 16-byte rows (lda, ldb multiples of 4; KD a multiple of 16).
+// Fragments by ldmatrix: an 8 x 4 tile of 32-bit words is one 8 x 8 b16 matrix, the m16n8k8 A fragment (rows
+// g / g + 8, columns t / t + 4) four of them, the B fragment of two k-steps four more. Same tiling and mma order
+// as mma_tc_acc (src/cuda/common.cuh).
+//   kPre = false: operands are fp32 and converted in the loop as mma_tc_acc does (cvt.rna; split: head and
+//                 tail both rounded), so the products equal mma_tc_acc's bit for bit.
+//   kPre = true:  plain operands are already tf32 values (rounded where staged) and go to the mma unconverted;
+//                 split operands are fp32, split by a mask (head = top 19 bits, tail = x - head passed as is).
+#pragma once
+
+#include "cuda/common.cuh"
+
+namespace pathattn::cuda::dev {
+
+template <int N, int KD, bool kSplit, bool kPre>
+__device__ __forceinline__ void mma_nt(typename TcTile<64, N>::Acc& acc, const float* A, int lda, const float* B,
+                                       int ldb) {
+  using TT = TcTile<64, N>;
+  constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
+  static_assert(KD % 16 == 0, "k in steps of 16");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp % WM, wn = warp / WM, li = lane & 7, lj = lane >> 3;  // lane addresses row li of matrix lj
+  auto split = [](uint32_t x, uint32_t& hi, uint32_t& lo) {
+    const float f = __uint_as_float(x);
+    if (kPre) {
+      hi = x & 0xffffe000u;
+      lo = __float_as_uint(f - __uint_as_float(hi));
+    } else {
+      hi = to_tf32(f);
+      lo = to_tf32(f - __uint_as_float(hi));
+    }
+  };
+  auto conv = [](uint32_t x) { return kPre ? x : to_tf32(__uint_as_float(x)); };
+#pragma unroll 2
+  for (int k0 = 0; k0 < KD; k0 += 16) {
+    uint32_t ah[2][MPW][4], al[2][MPW][4];
+#pragma unroll
+    for (int mi = 0; mi < MPW; ++mi) {
+      const int m0 = 16 * (wm + WM * mi);
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        uint32_t r[4];
+        ldsm_x4(r, A + (m0 + (lj & 1) * 8 + li) * lda + k0 + 8 * kh + (lj >> 1) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (kSplit) split(r[e], ah[kh][mi][e], al[kh][mi][e]);
+          else ah[kh][mi][e] = conv(r[e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+      uint32_t r[4];
+      ldsm_x4(r, B + (8 * (wn * NTW + nt) + li) * ldb + k0 + 4 * lj);
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
+        if (kSplit) {
+          split(r[2 * kh], bh0, bl0);
+          split(r[2 * kh + 1], bh1, bl1);
+        } else {
+          bh0 = conv(r[2 * kh]);
+          bh1 = conv(r[2 * kh + 1]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MPW; ++mi) {
+          if (kSplit) {
+            mma1688_tf32(acc[mi][nt], al[kh][mi], bh0, bh1);
+            mma1688_tf32(acc[mi][nt], ah[kh][mi], bl0, bl1);
+          }
+          mma1688_tf32(acc[mi][nt], ah[kh][mi], bh0, bh1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace pathattn::cuda::dev
