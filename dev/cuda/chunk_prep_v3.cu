@@ -25,15 +25,6 @@
 
 using namespace pathattn::cuda;
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
 namespace v3 {
 
 __device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
@@ -368,24 +359,7 @@ int run(int T, int H) {
               rel(got[1].kt, got[0].kt), rel(got[1].qtl, got[0].qtl), rel(got[1].aloc, got[0].aloc));
 
   // Timing: median of 9 after a warm-up.
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  auto time = [&](auto f) {
-    std::vector<float> ms;
-    for (int it = 0; it < 10; ++it) {
-      CK(cudaEventRecord(e0));
-      f();
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float x = 0;
-      CK(cudaEventElapsedTime(&x, e0, e1));
-      if (it > 0) ms.push_back(x);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  };
-  const float tl = time(lib), tv = time(mine);
+  const float tl = dev::median_ms(lib, 9), tv = dev::median_ms(mine, 9);
   std::printf("  time: library %.3f ms (%zu KB smem), v3 %.3f ms (%zu KB smem): %.2fx\n", tl, smem_chunk_prep(K) / 1024,
               tv, v3::Smem<K>::bytes / 1024, tl / tv);
   for (Outputs& o : out) {

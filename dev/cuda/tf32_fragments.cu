@@ -30,15 +30,6 @@
 
 using namespace pathattn::cuda;
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
 constexpr int kM = 64;
 
 // Each CTA loads its A [64][KD] and B [N][KD] (row-major in global) into shared memory (leading dim
@@ -121,24 +112,9 @@ void run_case(int blocks, int reps, int pad_kb) {
   const bool ok = differ[1] == 0 && (kX3 || differ[2] == 0) && rel[0] <= bound && rel[1] <= bound && rel[2] <= bound;
 
   // Timing: `reps` products per CTA, median of 7 launches after a warm-up.
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   float t[3];
-  for (int v = 0; v < 3; ++v) {
-    std::vector<float> ms;
-    for (int it = 0; it < 8; ++it) {
-      CK(cudaEventRecord(e0));
-      kerns[v]<<<blocks, kTcThreads, smem>>>(dA, dB, dO[v], reps);
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float x = 0;
-      CK(cudaEventElapsedTime(&x, e0, e1));
-      if (it > 0) ms.push_back(x);
-    }
-    std::sort(ms.begin(), ms.end());
-    t[v] = ms[ms.size() / 2];
-  }
+  for (int v = 0; v < 3; ++v)
+    t[v] = dev::median_ms([&] { kerns[v]<<<blocks, kTcThreads, smem>>>(dA, dB, dO[v], reps); }, 7);
   std::printf("64 x %3d x %3d %s smem %3zu KB: %s | rel L2 vs fp64 v0 %.1e v1 %.1e v2 %.1e (bound %.0e), bitwise "
               "differ from v0: v1 %zu v2 %zu | ms v0 %.3f v1 %.3f v2 %.3f | speedup v1 %.2fx v2 %.2fx\n",
               N, KD, kX3 ? "split-tf32" : "tf32      ", smem / 1024, ok ? "OK" : "FAIL", rel[0], rel[1], rel[2],

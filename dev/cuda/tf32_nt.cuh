@@ -1,5 +1,5 @@
-// dev/cuda/tf32_nt.cuh: the ldmatrix-fed tf32 block product of the dev/cuda playgrounds (tf32_fragments.cu,
-// chunk_prep_v3.cu): acc += A B^T over this thread's TcTile<64, N> outputs, A [64][KD] at A[r * lda + k] and
+// dev/cuda/tf32_nt.cuh: what the dev/cuda playgrounds (tf32_fragments.cu, chunk_prep_v3.cu) share: the CK
+// error check and median_ms timing on the host, and the ldmatrix-fed tf32 block product mma_nt: acc += A B^T over this thread's TcTile<64, N> outputs, A [64][KD] at A[r * lda + k] and
 // B [N][KD] at B[n * ldb + k] in shared memory with 16-byte rows (lda, ldb multiples of 4; KD a multiple of 16).
 // Fragments by ldmatrix: an 8 x 4 tile of 32-bit words is one 8 x 8 b16 matrix, the m16n8k8 A fragment (rows
 // g / g + 8, columns t / t + 4) four of them, the B fragment of two k-steps four more. Same tiling and mma order
@@ -10,9 +10,47 @@
 //                 split operands are fp32, split by a mask (head = top 19 bits, tail = x - head passed as is).
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
 #include "cuda/common.cuh"
 
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
 namespace pathattn::cuda::dev {
+
+// Median of `runs` timings (CUDA events on the default stream) of f(), after one warm-up call.
+template <class F>
+float median_ms(F f, int runs) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int it = 0; it <= runs; ++it) {
+    CK(cudaEventRecord(e0));
+    f();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float x = 0;
+    CK(cudaEventElapsedTime(&x, e0, e1));
+    if (it > 0) ms.push_back(x);
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
 
 template <int N, int KD, bool kSplit, bool kPre>
 __device__ __forceinline__ void mma_nt(typename TcTile<64, N>::Acc& acc, const float* A, int lda, const float* B,
