@@ -272,14 +272,15 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
     PA_CU(cudaMemsetAsync(kp.dps, 0, size_t(kp.nsuper) * H * K * K * sizeof(float), s));
   }
 
-  // Persistent grids: one scratch slot of max_chunks x C x K (fp16) per CTA.
+  // Persistent grids: scratch_slots snapshots of C x K (16-bit) per CTA.
   const int nseqs = int(t.seq_first.size());
   const int q_items = p.deterministic ? nseqs * int(H) : kp.nchunks * int(HQ);
   const int k_items = kp.nchunks * int(H);
   const int gq = std::min(q_items, bwd_q_max_grid(kp, dt));
   const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
-  PA_CU(ws.alloc(&kp.scratch, size_t(std::max(gq, gk)) * kp.max_chunks * kChunk * K));
+  kp.scratch_slots = scratch_slot_count(kp.max_chunks, pr.path);
+  PA_CU(ws.alloc(&kp.scratch, size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K));
 
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));

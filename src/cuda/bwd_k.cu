@@ -2,13 +2,16 @@
 // two-level as the forward:
 //   pass 1 (left to right) moves the chunk-end keys k~ forward across the later chunks of their superblock,
 //          kt^(qc+1) = kt^(qc) P_qc^T = kt - (kt W2^T) W, then across whole later superblocks
-//          (kt <- kt PS_a^T), parking each state (fp16) in this CTA's scratch slot;
+//          (kt <- kt PS_a^T), parking each state (in the input type: the scores' operand) in this CTA's
+//          scratch (slots as scratch_slot_count says);
 //   pass 2 (right to left) takes logits qhat . kt for the query chunks of later superblocks (queries moved to
 //          their superblock's start) and q~_qc . kt^(qc) for those of the own superblock, accumulates
 //          dv += P^T dO (direct) and the key adjoint h = sum_hq scale dS^T q + h PS_a (or h P_qc) (tf32);
 //          h at the own superblock's end is dks (far queries only, for the superblock products' gradient),
 //          and the chain ends with dk~ = h_{kc+1}.
-// Every output row belongs to this CTA alone: no atomics, deterministic in every mode.
+// Every output row belongs to this CTA alone: no atomics, deterministic in every mode. A warp owns 16 key
+// rows and every step of h is row-wise, so h and dv stay in registers (the chain steps take h as the A
+// operand through warp_mma_rr_tf32); about 105 KB of shared memory at K = V = 128: two CTAs per SM.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -19,37 +22,34 @@ constexpr int kBwdThreads = 128;  // 4 warps x 16 key rows
 
 template <int K, int V>
 struct BwdKSmem {
-  static constexpr int LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
-  // Sh, ST, Qs, Ws, W2s [64][LK] (2-byte); dOs, Vs [64][LV]; hs [64][LG] f32; Ys [64][LX] f32; 4 x 64 f32.
-  static constexpr size_t bytes = size_t(kChunk) * (5 * LK + 2 * LV) * 2 + size_t(kChunk) * (LG + LX) * 4 +
-                                  4 * kChunk * 4;
+  static constexpr int LK = K + 8, LV = V + 8;
+  // Ss, Qs, Ws, W2s [64][LK] (2-byte; Ws and W2s together hold a K x K superblock product); dOs, Vs
+  // [64][LV]; 4 x 64 f32.
+  static constexpr size_t bytes = size_t(kChunk) * (4 * LK + 2 * LV) * 2 + 4 * kChunk * 4;
 };
 
 template <typename T, int K, int V>
 struct BwdK {
   using S = BwdKSmem<K, V>;
-  static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
-  __half *Sh, *Ws, *W2s;
-  T *ST, *Qs, *dOs, *Vs;
-  float *hs, *Ys, *Gk, *Gq, *lse2, *del;
+  static constexpr int LK = S::LK, LV = S::LV;
+  __half *Ws, *W2s;
+  T *Ss, *Qs, *dOs, *Vs;
+  float *Gk, *Gq, *lse2, *del;
 
   __device__ void carve(uint8_t* smem) {
-    Sh = reinterpret_cast<__half*>(smem);
-    ST = reinterpret_cast<T*>(Sh + kChunk * LK);
-    Qs = ST + kChunk * LK;
+    Ss = reinterpret_cast<T*>(smem);
+    Qs = Ss + kChunk * LK;
     Ws = reinterpret_cast<__half*>(Qs + kChunk * LK);
     W2s = Ws + kChunk * LK;
     dOs = reinterpret_cast<T*>(W2s + kChunk * LK);
     Vs = dOs + kChunk * LV;
-    hs = reinterpret_cast<float*>(Vs + kChunk * LV);
-    Ys = hs + kChunk * LG;
-    Gk = Ys + kChunk * LX;
+    Gk = reinterpret_cast<float*>(Vs + kChunk * LV);
     Gq = Gk + kChunk;
     lse2 = Gq + kChunk;
     del = lse2 + kChunk;
   }
 
-  __device__ void run(const KernelParams& p, int ci, int h, __half* scratch) {
+  __device__ void run(const KernelParams& p, int ci, int h, T* scratch) {
     const ChunkDesc ch = p.chunks[ci];
     const int kc = ch.c, nk = min(kChunk, ch.len - kc * kChunk);
     const int last = (ch.len + kChunk - 1) / kChunk - 1;
@@ -73,14 +73,14 @@ struct BwdK {
     const bool far = p.path && last_sb > sbk;
     const int lastl = far ? sbk * kSuperChunks + kSuperChunks - 1 : last;
     auto park = [&](const float (&kt)[K / 8][4], int slot) {
-      store_tile_half<K>(scratch + size_t(slot) * kChunk * K, K, kt);
+      store_tile<T, K>(scratch + size_t(slot) * kChunk * K, K, kt);
     };
     auto load_ps = [&](int a) {
       const __half* ps = p.ps + (int64_t(ch.sfirst + a) * p.H + h) * K * K;
       for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
     };
-    // ---- pass 1: kt^(qc) for qc = kc+1 .. lastl into scratch[qc]; then the key at the start of each later
-    // superblock a into scratch[a * kSuperChunks] (past lastl: the slots do not overlap).
+    // ---- pass 1: kt^(qc) for qc = kc+1 .. lastl into slot qc - kc - 1; then the key at the start of each
+    // later superblock a into slot kSuperChunks + a.
     {
       float kt[K / 8][4];
 #pragma unroll
@@ -95,7 +95,7 @@ struct BwdK {
         }
       }
       for (int qc = kc + 1; qc <= lastl; ++qc) {
-        park(kt, qc);
+        park(kt, qc - kc - 1);
         if (qc == last) break;
         const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
         __syncthreads();
@@ -111,7 +111,7 @@ struct BwdK {
       }
       if (far) {
         for (int a = sbk + 1; a <= last_sb; ++a) {
-          park(kt, a * kSuperChunks);
+          park(kt, kSuperChunks + a);
           if (a == last_sb) break;
           __syncthreads();
           load_ps(a);
@@ -128,20 +128,20 @@ struct BwdK {
         }
       }
     }
-    for (int idx = threadIdx.x; idx < kChunk * LG; idx += blockDim.x) hs[idx] = 0.f;
-    __syncthreads();  // the last chunk has no pass-2 iteration: its outputs read hs right away
-    float dv[V / 8][4];
+    // The key adjoint h and dv: this warp's 16 key rows, C layout.
+    float hk[K / 8][4], dv[V / 8][4];
+    zero_acc(hk);
     zero_acc(dv);
-    // Snapshot in scratch slot `slot` -> Sh (plus whatever else the caller queued), as the score operand.
-    auto key_operand = [&]() -> const T* {
-      if constexpr (!IsHalf<T>::value) {
-        for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
-          const int r = idx / K, d = idx % K;
-          ST[r * LK + d] = from_f<T>(__half2float(Sh[r * LK + d]));
-        }
-        return ST;
-      } else {
-        return reinterpret_cast<const T*>(Sh);
+    // Stores this warp's rows (those < nk) of a C-layout tile of 8 NT columns; token rows H * 8 NT apart.
+    auto store_rows = [&](float* dst, const auto& x) {
+      constexpr int NT = int(sizeof(x) / sizeof(x[0]));
+      const int64_t ld = int64_t(p.H) * 8 * NT;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        if (rr[hr] >= nk) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          *reinterpret_cast<float2*>(dst + rr[hr] * ld + 8 * nt + 2 * t4) = make_float2(x[nt][2 * hr], x[nt][2 * hr + 1]);
       }
     };
     // One query chunk qc (all query heads of the group) against the key tile Kop; queries from qhat (far)
@@ -190,13 +190,7 @@ struct BwdK {
             csum[e >> 1] += ds;
           }
         warp_mma_rs<T, 4, V / 8, true>(dv, st[0], 1.f, dOs, LV, 0);
-        float lc[K / 8][4];
-        zero_acc(lc);
-        warp_mma_rs<T, 4, K / 8, true>(lc, dpt[0], p.scale, Qs, LK, 0);
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
+        warp_mma_rs<T, 4, K / 8, true>(hk, dpt[0], p.scale, Qs, LK, 0);
         if (p.gate) {
 #pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
@@ -208,62 +202,45 @@ struct BwdK {
         }
       }
     };
-    // h (own rows) <- h - (h B1^T) B2 with B1 = W, B2 = W2 (one chunk), or h <- h PS (one superblock).
+    // h (own rows) <- h P_qc = h - (h W^T) W2 (one chunk; tf32, h from registers).
     auto chain_chunk = [&]() {
-      float y[1][8][4];
+      float y[8][4];
       zero_acc(y);
-      warp_mma_tf32<1, 8, false, false, float, __half>(y, hs, LG, 16 * warp, Ws, LK, 0, K);
+      warp_mma_rr_tf32<K / 8, 8, false>(y, hk, Ws, LK, 0);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) Ys[rr[e >> 1] * LX + 8 * nt + 2 * t4 + (e & 1)] = y[0][nt][e];
-      __syncwarp();
-      float ga[1][K / 8][4];
-      zero_acc(ga);
-      warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, Ys, LX, 16 * warp, W2s, LK, 0, kChunk);
-      __syncwarp();
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
+        for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
+      warp_mma_rr_tf32<8, K / 8, true>(hk, y, W2s, LK, 0);
     };
     // ---- pass 2: query superblocks, then query chunks, right to left.
     if (far) {
       for (int a = last_sb; a > sbk; --a) {
         __syncthreads();
-        load_tile_async<K>(Sh, scratch + size_t(a) * kSuperChunks * kChunk * K, K, kChunk);
+        load_tile_async<K>(Ss, scratch + size_t(kSuperChunks + a) * kChunk * K, K, kChunk);
         if (a < last_sb) load_ps(a);
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
-        const T* Kop = key_operand();
         if (a < last_sb) {  // across superblock a: h <- h PS_a (own rows)
-          float ga[1][K / 8][4];
+          float ga[K / 8][4];
           zero_acc(ga);
-          warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, hs, LG, 16 * warp, Ws, LK, 0, K);
-          __syncwarp();
+          warp_mma_rr_tf32<K / 8, K / 8, true>(ga, hk, Ws, LK, 0);
 #pragma unroll
           for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) hs[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] = ga[0][nt][e];
+            for (int e = 0; e < 4; ++e) hk[nt][e] = ga[nt][e];
         }
         const int qend = min(last, a * kSuperChunks + kSuperChunks - 1);
-        for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Kop, true);
+        for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Ss, true);
       }
       // h is now the gradient w.r.t. the key moved to its superblock's end, from the far queries.
-      __syncthreads();
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int j = rr[hr];
-        if (j >= nk) continue;
-        float* dst = p.dks + ((tokk0 + j) * p.H + h) * K;
-        for (int d = t4; d < K; d += 4) dst[d] = hs[j * LG + d];
-      }
+      store_rows(p.dks + (tokk0 * p.H + h) * K, hk);
     }
     for (int qc = lastl; qc > kc; --qc) {
       const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
       __syncthreads();
-      load_tile_async<K>(Sh, scratch + size_t(qc) * kChunk * K, K, kChunk);
+      load_tile_async<K>(Ss, scratch + size_t(qc - kc - 1) * kChunk * K, K, kChunk);
       if (qc < last) {
         load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
         load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
@@ -271,32 +248,21 @@ struct BwdK {
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();
-      const T* Kop = key_operand();
       if (qc < last) chain_chunk();  // h <- h P_qc = h - (h W^T) W2 (own rows)
-      query_chunk(qc, Kop, false);
+      query_chunk(qc, Ss, false);
     }
     // ---- outputs: dk~ = h_{kc+1}, dv (off-diagonal part, summed over the group).
-    __syncthreads();
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int j = rr[hr];
-      if (j >= nk) continue;
-      float* dk = p.dkt + ((tokk0 + j) * p.H + h) * K;
-      for (int d = t4; d < K; d += 4) dk[d] = hs[j * LG + d];
-      float* dvo = p.dvk + ((tokk0 + j) * p.H + h) * V;
-#pragma unroll
-      for (int nt = 0; nt < V / 8; ++nt)
-        *reinterpret_cast<float2*>(dvo + 8 * nt + 2 * t4) = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
-    }
+    store_rows(p.dkt + (tokk0 * p.H + h) * K, hk);
+    store_rows(p.dvk + (tokk0 * p.H + h) * V, dv);
   }
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads, 1) bwd_k_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kBwdThreads, 2) bwd_k_kernel(KernelParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdK<T, K, V> w;
   w.carve(smem);
-  __half* scratch = p.scratch + size_t(blockIdx.x) * p.max_chunks * kChunk * K;
+  T* scratch = reinterpret_cast<T*>(p.scratch) + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
   const int nitems = p.nchunks * p.H;
   // order[] lists chunks by descending index; the key side has the most work at low indices.
   for (int it = blockIdx.x; it < nitems; it += gridDim.x)
@@ -343,8 +309,8 @@ int grid_dispatch(const KernelParams& p) {
 }  // namespace
 
 size_t smem_bwd_k(int K, int V) {
-  const size_t LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
-  return kChunk * (5 * LK + 2 * LV) * 2 + kChunk * (LG + LX) * 4 + 4 * kChunk * 4;
+  return K == 64 ? (V == 64 ? BwdKSmem<64, 64>::bytes : BwdKSmem<64, 128>::bytes)
+                 : (V == 64 ? BwdKSmem<128, 64>::bytes : BwdKSmem<128, 128>::bytes);
 }
 
 cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s) {

@@ -2,7 +2,7 @@
 //   pass 1 (right to left) recomputes qt_kc, the queries moved to the end of key chunk kc, for the chunks of
 //          the query's own superblock, then qhat (queries at their superblock's start, written for the key
 //          side) and qt_sb at the end of every earlier superblock sb (dense PS steps); all parked (fp16) in
-//          this CTA's scratch slot (max_chunks x C x K per CTA, persistent grid: linear in T);
+//          this CTA's scratch (scratch_slots x C x K per CTA, persistent grid: linear in T);
 //   diagonal: P from A_loc and lse, dA_loc = scale dS (written over A_loc), dv_diag = P^T dO, gate terms;
 //   pass 2 (left to right) runs the transport adjoint: over far superblocks, gbar <- gbar PS_sb^T with
 //          dPS_sb += qt_sb^T gbar, plus scale dS ks for the superblock's keys (moved to its end); then over
@@ -10,6 +10,8 @@
 //          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 atomics, or,
 // in deterministic mode, one CTA owns a whole (sequence, kv head) and adds in a fixed order.
+// gbar lives in registers (a warp's 16 query rows, C layout; the chain steps take it as the A operand through
+// warp_mma_rr_tf32) and is staged in shared memory only for the dP / dPS outer products, which sum over all rows.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -67,9 +69,9 @@ struct BwdQ {
     const T* dop = static_cast<const T*>(p.dout);
 
     __syncthreads();  // the previous item is done with shared memory
-    // ---- pass 1: qt_kc for kc = qc-1 .. first into scratch[kc] (fp16, [64][K]); then (two-level) qhat,
+    // ---- pass 1: qt_kc for kc = qc-1 .. first into slot kc - first (fp16, [64][K]); then (two-level) qhat,
     // the queries at their superblock's start, and qt_sb at the end of each earlier superblock sb into
-    // scratch[sb] (sb < first: the slots do not overlap).
+    // slot kSuperChunks + sb (scratch_slot_count).
     const int sbq = qc / kSuperChunks, first = p.path ? sbq * kSuperChunks : 0;
     {
       float qt[K / 8][4];
@@ -84,9 +86,9 @@ struct BwdQ {
           qt[nt][2 * hr + 1] = v2.y;
         }
       }
-      auto park = [&](int slot) { store_tile_half<K>(scratch + size_t(slot) * kChunk * K, K, qt); };
+      auto park = [&](int slot) { store_tile<__half, K>(scratch + size_t(slot) * kChunk * K, K, qt); };
       for (int kc = qc - 1; kc >= first; --kc) {
-        park(kc);
+        park(kc - first);
         if (kc == 0) break;
         const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
         __syncthreads();
@@ -111,7 +113,7 @@ struct BwdQ {
             *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = Pack2<T>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
         }
         for (int sb = sbq - 1; sb >= 0; --sb) {
-          park(sb);
+          park(kSuperChunks + sb);
           if (sb == 0) break;
           __syncthreads();
           const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
@@ -142,7 +144,6 @@ struct BwdQ {
       Gq[r] = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
       Gk[r] = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
     }
-    for (int idx = threadIdx.x; idx < kChunk * LG; idx += blockDim.x) gb[idx] = 0.f;
     cp_async_wait_all();
     __syncthreads();
     float rs[2] = {0.f, 0.f};  // gate row sums of dS (this thread's entries)
@@ -201,6 +202,16 @@ struct BwdQ {
     // superblock's end, one dense adjoint step per superblock), then the chunks of the query's own
     // superblock (one low-rank adjoint step per chunk).
     float* dPbase = p.dP + (int64_t(ch.first) * p.H + h) * K * K;
+    float gq[K / 8][4];  // gbar, this warp's rows
+    zero_acc(gq);
+    // gq -> gb (own rows); callers sync before other warps read gb.
+    auto stage_gbar = [&]() {
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<float2*>(gb + rr[hr] * LG + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
+    };
     // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): fp32 atomics, or plain adds in
     // deterministic mode (one CTA per (sequence, kv head)).
     auto add_outer = [&](float* dst_base) {
@@ -263,15 +274,7 @@ struct BwdQ {
         }
     };
     // gbar += scale dS keys (own rows).
-    auto add_local = [&](const float (&ds)[8][4]) {
-      float lc[K / 8][4];
-      zero_acc(lc);
-      warp_mma_rs<T, 4, K / 8, true>(lc, ds, p.scale, Ks, LK, 0);
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] += lc[nt][e];
-    };
+    auto add_local = [&](const float (&ds)[8][4]) { warp_mma_rs<T, 4, K / 8, true>(gq, ds, p.scale, Ks, LK, 0); };
     auto load_keys = [&](const T* keys, int kc) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk, pos = ch.t0 + int64_t(kc) * kChunk;
       load_tile_async<K>(Ks, keys + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
@@ -283,7 +286,8 @@ struct BwdQ {
       float* dPSbase = p.dps + (int64_t(ch.sfirst) * p.H + h) * K * K;
       for (int sb = 0; sb < sbq; ++sb) {
         __syncthreads();
-        load_tile_async<K>(Qh, scratch + size_t(sb) * kChunk * K, K, kChunk);
+        if (sb > 0) stage_gbar();
+        load_tile_async<K>(Qh, scratch + size_t(kSuperChunks + sb) * kChunk * K, K, kChunk);
         if (sb > 0) {
           const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
           for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
@@ -294,14 +298,13 @@ struct BwdQ {
         if (sb > 0) {
           // Across superblock sb (qt_{sb-1} = qt_sb PS_sb): dPS_sb += qt_sb^T gbar, gbar <- gbar PS_sb^T.
           add_outer(dPSbase + int64_t(sb) * p.H * K * K);
-          float ga[1][K / 8][4];
+          float ga[K / 8][4];
           zero_acc(ga);
-          warp_mma_tf32<1, K / 8, false, false, float, __half>(ga, gb, LG, 16 * warp, Ws, LK, 0, K);
-          __syncthreads();  // every warp has read all of gb (dPS) before it changes
+          warp_mma_rr_tf32<K / 8, K / 8, false>(ga, gq, Ws, LK, 0);
 #pragma unroll
           for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] = ga[0][nt][e];
+            for (int e = 0; e < 4; ++e) gq[nt][e] = ga[nt][e];
         }
         const T* Qop = score_operand();
         for (int j = 0; j < kSuperChunks; ++j) {
@@ -319,7 +322,8 @@ struct BwdQ {
     for (int kc = first; kc < qc; ++kc) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
       __syncthreads();
-      load_tile_async<K>(Qh, scratch + size_t(kc) * kChunk * K, K, kChunk);
+      if (kc > 0) stage_gbar();
+      load_tile_async<K>(Qh, scratch + size_t(kc - first) * kChunk * K, K, kChunk);
       load_keys(ktp, kc);
       if (kc > 0) {
         load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
@@ -334,25 +338,18 @@ struct BwdQ {
       if (kc > 0) {
         // Across chunk kc: dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T = gbar - (gbar W2^T) W.
         add_outer(dPbase + int64_t(kc) * p.H * K * K);
-        float x[1][8][4];
+        float x[8][4];
         zero_acc(x);
-        warp_mma_tf32<1, 8, false, false, float, __half>(x, gb, LG, 16 * warp, W2s, LK, 0, K);
+        warp_mma_rr_tf32<K / 8, 8, false>(x, gq, W2s, LK, 0);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dXs[rr[e >> 1] * LX + 8 * nt + 2 * t4 + (e & 1)] = x[0][nt][e];
-        __syncthreads();  // every warp has read all of gb (dP) before it changes
-        float ga[1][K / 8][4];
-        zero_acc(ga);
-        warp_mma_tf32<1, K / 8, false, true, float, __half>(ga, dXs, LX, 16 * warp, Ws, LK, 0, kChunk);
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) gb[rr[e >> 1] * LG + 8 * nt + 2 * t4 + (e & 1)] -= ga[0][nt][e];
+          for (int e = 0; e < 4; ++e) x[nt][e] = -x[nt][e];
+        warp_mma_rr_tf32<8, K / 8, true>(gq, x, Ws, LK, 0);
       }
       add_local(ds);
     }
-    // ---- outputs: dq~ = gbar, gate row terms (dga and gb rows were written by other warps when qc == 0).
+    // ---- outputs: dq~ = gbar, gate row terms (dga rows were written by other warps).
     __syncthreads();
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -362,7 +359,9 @@ struct BwdQ {
       const int r = rr[hr];
       if (r < nq) {
         float* dst = p.dqt + ((tokq0 + r) * p.HQ + hq) * K;
-        for (int d = t4; d < K; d += 4) dst[d] = gb[r * LG + d];
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt)
+          *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
         if (t4 == 0 && p.gate) p.dgrow[(tokq0 + r) * p.HQ + hq] = dga[r] + gs * a;
       }
     }
@@ -374,7 +373,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_q_kernel(KernelParams p, i
   extern __shared__ __align__(16) uint8_t smem[];
   BwdQ<T, K, V> w;
   w.carve(smem);
-  __half* scratch = p.scratch + size_t(blockIdx.x) * p.max_chunks * kChunk * K;
+  __half* scratch = p.scratch + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
   if (!p.deterministic) {
     for (int it = blockIdx.x; it < nitems; it += gridDim.x) w.run(p, p.order[it / p.HQ], it % p.HQ, scratch);
   } else {

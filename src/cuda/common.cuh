@@ -198,17 +198,40 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
     for (int c = 0; c < 4; ++c) acc[b][c] = 0.f;
 }
 
+// tf32 warp tile with A from registers: a warp's 16 x (8 KT) fp32 tile `src` (C layout, KT n-tiles) times B
+// (fp16 in shared memory, exact in tf32; TB as in warp_mma_ss), accumulated into acc. The C layout gives a lane
+// columns 2t, 2t + 1 of each 8-column block where the tf32 A fragment wants t, t + 4, so the inner index runs
+// permuted within each block of 8 (t <-> 2t, t + 4 <-> 2t + 1) in both operands: the same sum, no shuffles.
+template <int KT, int NT, bool TB>
+__device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const float (&src)[KT][4], const __half* B,
+                                                 int ldb, int n0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint32_t a[4] = {to_tf32(src[kt][0]), to_tf32(src[kt][2]), to_tf32(src[kt][1]), to_tf32(src[kt][3])};
+    const int k = 8 * kt + 2 * t;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = n0 + 8 * nt + g;
+      float2 b;
+      if (TB) b = make_float2(__half2float(B[k * ldb + n]), __half2float(B[(k + 1) * ldb + n]));
+      else b = __half22float2(*reinterpret_cast<const __half2*>(B + n * ldb + k));
+      mma1688_tf32(acc[nt], a, __float_as_uint(b.x), __float_as_uint(b.y));
+    }
+  }
+}
+
 // Stores a warp's 16-row register tile (C layout of KN / 8 n-tiles, rows 16 warp + g and + 8) to a row-major
-// fp16 matrix with leading dimension ld: the per-CTA scratch snapshots of transported query / key tiles.
-template <int KN>
-__device__ __forceinline__ void store_tile_half(__half* dst, int ld, const float (&x)[KN / 8][4]) {
+// 16-bit (E) matrix with leading dimension ld: the per-CTA scratch snapshots of transported query / key tiles.
+template <typename E, int KN>
+__device__ __forceinline__ void store_tile(E* dst, int ld, const float (&x)[KN / 8][4]) {
   const int lane = threadIdx.x & 31, row = 16 * (threadIdx.x >> 5) + (lane >> 2), t4 = lane & 3;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
     for (int nt = 0; nt < KN / 8; ++nt)
-      *reinterpret_cast<__half2*>(dst + (row + 8 * hr) * ld + 8 * nt + 2 * t4) =
-          __floats2half2_rn(x[nt][2 * hr], x[nt][2 * hr + 1]);
+      *reinterpret_cast<uint32_t*>(dst + (row + 8 * hr) * ld + 8 * nt + 2 * t4) =
+          Pack2<E>::pack(x[nt][2 * hr], x[nt][2 * hr + 1]);
 }
 
 // Host side: opts the kernel in to `smem` bytes of dynamic shared memory, launches it, and returns the first

@@ -17,6 +17,13 @@ inline constexpr int kChunk = 64;
 // with one dense K x K product.
 inline constexpr int kSuperChunks = 8;
 
+// Slots of C x K snapshots in each backward CTA's scratch. With the transport, a work item parks at most
+// kSuperChunks states within its own superblock (slots 0 .. kSuperChunks - 1, by distance in chunks) and one
+// per other superblock (slot kSuperChunks + superblock index); without it, one per chunk of the sequence.
+inline int scratch_slot_count(int max_chunks, bool path) {
+  return path ? kSuperChunks + (max_chunks + kSuperChunks - 1) / kSuperChunks : max_chunks;
+}
+
 // One chunk of one sequence. Token index tok = b * T + t0 + c * kChunk + r addresses the workspace.
 struct ChunkDesc {
   int64_t b;    // batch row
@@ -32,6 +39,7 @@ struct KernelParams {
   int B, T, H, HQ, group, K, V;
   int nchunks;      // entries of the chunk table
   int max_chunks;   // most chunks of any one sequence
+  int scratch_slots;  // C x K snapshots per CTA in `scratch` (scratch_slot_count)
   bool path, gate;
   float scale, gate_scale;
 
@@ -79,7 +87,7 @@ struct KernelParams {
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
   float* dvk;       // [NT, H, V]   off-diagonal P^T dO summed over the group
-  __half* scratch;  // [grid, max_chunks, C, K] per-CTA transported states (memory-linear in T)
+  __half* scratch;  // [grid, scratch_slots, C, K] per-CTA transported states (memory-linear in T)
   // Two-level backward (full superblocks; PaTH only).
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
   float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
