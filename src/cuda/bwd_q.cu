@@ -11,7 +11,10 @@
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 atomics, or,
 // in deterministic mode, one CTA owns a whole (sequence, kv head) and adds in a fixed order.
 // gbar lives in registers (a warp's 16 query rows, C layout; the chain steps take it as the A operand through
-// warp_mma_rr_tf32) and is staged in shared memory only for the dP / dPS outer products, which sum over all rows.
+// warp_mma_rr_tf32) and is staged in shared memory only for the dP / dPS outer products, which sum over all rows;
+// the staging tile lies over the key / value tiles (free at the outer products), the diagonal's dS tile over
+// W / W2, and the query snapshot is converted to the input type in place after its outer product: about
+// 106 KB of shared memory at K = V = 128, two CTAs per SM.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -23,9 +26,13 @@ constexpr int kBwdThreads = 128;  // 4 warps x 16 rows, as in the forward
 template <int K, int V>
 struct BwdQSmem {
   static constexpr int LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
-  // Qh, QT, Ks, Ws, W2s [64][LK] (2-byte); Vs, dOs [64][LV]; gb [64][LG] f32; dXs [64][LX] f32; 5 x 64 f32.
-  static constexpr size_t bytes = size_t(kChunk) * (5 * LK + 2 * LV) * 2 + size_t(kChunk) * (LG + LX) * 4 +
-                                  5 * kChunk * 4;
+  // Qh [64][LK] (fp16, converted in place to the input type for the scores); the key / value region, Ks
+  // [64][LK] and Vs [64][LV], or gb [64][LG] f32; Ws, W2s [64][LK] fp16 (a K x K superblock product; the
+  // diagonal's dXs [64][LX] f32); dOs [64][LV]; 5 x 64 f32.
+  static constexpr size_t kv_bytes = size_t(kChunk) * (LK + LV) * 2, gb_bytes = size_t(kChunk) * LG * 4;
+  static constexpr size_t region = kv_bytes > gb_bytes ? kv_bytes : gb_bytes;
+  static constexpr size_t bytes = size_t(kChunk) * (3 * LK + LV) * 2 + region + 5 * kChunk * 4;
+  static_assert(size_t(kChunk) * LX * 4 <= size_t(kChunk) * 2 * LK * 2, "dXs must fit over Ws, W2s");
 };
 
 template <typename T, int K, int V>
@@ -33,20 +40,20 @@ struct BwdQ {
   using S = BwdQSmem<K, V>;
   static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
   __half *Qh, *Ws, *W2s;
-  T *QT, *Ks, *Vs, *dOs;
+  T *Ks, *Vs, *dOs;
   float *gb, *dXs, *Gk, *Gq, *lse2, *del, *dga;
 
   __device__ void carve(uint8_t* smem) {
     Qh = reinterpret_cast<__half*>(smem);
-    QT = reinterpret_cast<T*>(Qh + kChunk * LK);
-    Ks = QT + kChunk * LK;
-    Ws = reinterpret_cast<__half*>(Ks + kChunk * LK);
+    uint8_t* kv = smem + size_t(kChunk) * LK * 2;
+    Ks = reinterpret_cast<T*>(kv);
+    Vs = Ks + kChunk * LK;
+    gb = reinterpret_cast<float*>(kv);
+    Ws = reinterpret_cast<__half*>(kv + S::region);
     W2s = Ws + kChunk * LK;
-    Vs = reinterpret_cast<T*>(W2s + kChunk * LK);
-    dOs = Vs + kChunk * LV;
-    gb = reinterpret_cast<float*>(dOs + kChunk * LV);
-    dXs = gb + kChunk * LG;
-    Gk = dXs + kChunk * LX;
+    dXs = reinterpret_cast<float*>(Ws);
+    dOs = reinterpret_cast<T*>(W2s + kChunk * LK);
+    Gk = reinterpret_cast<float*>(dOs + kChunk * LV);
     Gq = Gk + kChunk;
     lse2 = Gq + kChunk;
     del = lse2 + kChunk;
@@ -243,18 +250,17 @@ struct BwdQ {
             }
       }
     };
-    // Qh (fp16 snapshot) as the score operand in the input type.
+    // Qh (fp16 snapshot) as the score operand in the input type, converted in place (each thread its own
+    // elements). Callers sync before (the outer product has read Qh) and after (before the scores).
     auto score_operand = [&]() -> const T* {
       if constexpr (!IsHalf<T>::value) {
         for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
           const int r = idx / K, d = idx % K;
-          QT[r * LK + d] = from_f<T>(__half2float(Qh[r * LK + d]));
+          const float v = __half2float(Qh[r * LK + d]);
+          reinterpret_cast<T*>(Qh)[r * LK + d] = from_f<T>(v);
         }
-        __syncthreads();
-        return QT;
-      } else {
-        return reinterpret_cast<const T*>(Qh);
       }
+      return reinterpret_cast<const T*>(Qh);
     };
     // One key chunk against the query tile Qop: ds = P * (dP - delta), gate row sums.
     auto scores = [&](const T* Qop, float (&ds)[8][4]) {
@@ -305,6 +311,7 @@ struct BwdQ {
           for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) gq[nt][e] = ga[nt][e];
+          __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
         }
         const T* Qop = score_operand();
         for (int j = 0; j < kSuperChunks; ++j) {
@@ -324,7 +331,6 @@ struct BwdQ {
       __syncthreads();
       if (kc > 0) stage_gbar();
       load_tile_async<K>(Qh, scratch + size_t(kc - first) * kChunk * K, K, kChunk);
-      load_keys(ktp, kc);
       if (kc > 0) {
         load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
         load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
@@ -332,12 +338,18 @@ struct BwdQ {
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();
+      // Across chunk kc: dP_kc += qt_kc^T gbar (before gbar's step below).
+      if (kc > 0) add_outer(dPbase + int64_t(kc) * p.H * K * K);
+      __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
+      load_keys(ktp, kc);
+      cp_async_commit();
       const T* Qop = score_operand();
+      cp_async_wait_all();
+      __syncthreads();
       float ds[8][4];
       scores(Qop, ds);
       if (kc > 0) {
-        // Across chunk kc: dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T = gbar - (gbar W2^T) W.
-        add_outer(dPbase + int64_t(kc) * p.H * K * K);
+        // gbar <- gbar P_kc^T = gbar - (gbar W2^T) W.
         float x[8][4];
         zero_acc(x);
         warp_mma_rr_tf32<K / 8, 8, false>(x, gq, W2s, LK, 0);
@@ -369,7 +381,7 @@ struct BwdQ {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads, 1) bwd_q_kernel(KernelParams p, int nitems) {
+__global__ void __launch_bounds__(kBwdThreads, 2) bwd_q_kernel(KernelParams p, int nitems) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdQ<T, K, V> w;
   w.carve(smem);
@@ -427,8 +439,8 @@ int grid_dispatch(const KernelParams& p) {
 }  // namespace
 
 size_t smem_bwd_q(int K, int V) {
-  const size_t LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
-  return kChunk * (5 * LK + 2 * LV) * 2 + kChunk * (LG + LX) * 4 + 5 * kChunk * 4;
+  return K == 64 ? (V == 64 ? BwdQSmem<64, 64>::bytes : BwdQSmem<64, 128>::bytes)
+                 : (V == 64 ? BwdQSmem<128, 64>::bytes : BwdQSmem<128, 128>::bytes);
 }
 
 cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, cudaStream_t s) {
