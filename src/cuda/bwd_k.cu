@@ -258,7 +258,7 @@ struct BwdK {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads, 2) bwd_k_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kBwdThreads, K == 64 && V == 64 ? 3 : 2) bwd_k_kernel(KernelParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdK<T, K, V> w;
   w.carve(smem);

@@ -381,7 +381,7 @@ struct BwdQ {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads, 2) bwd_q_kernel(KernelParams p, int nitems) {
+__global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(KernelParams p, int nitems) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdQ<T, K, V> w;
   w.carve(smem);
