@@ -59,30 +59,39 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   TK::zero(dW2a);
 
   // ---- recompute the UT transform.
-  for (int idx = tid; idx < kChunk * K; idx += kThreads) {
-    const int r = idx / K, d = idx % K;
-    const bool ok = r < nq;
-    Ks[r * LT + d] = ok ? kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d] : from_f<T>(0.f);
-    Wf[r * LW + d] = ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
-  }
+  PA_PROBE(0);
+  stage_tile<K>(  // (k, w) pairs; k goes through fp32 and back, exactly
+      [&](int r, int d) {
+        const bool ok = r < nq;
+        return make_float2(ok ? to_f(kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f,
+                           ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f);
+      },
+      [&](int r, int d, float2 v) {
+        Ks[r * LT + d] = from_f<T>(v.x);
+        Wf[r * LW + d] = v.y;
+      });
   if (tid < kChunk) {
     bs[tid] = tid < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
     dbs[tid] = 0.f;
   }
   __syncthreads();
+  PA_PROBE(1);
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };
   auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };
   auto k_rk = [&](int r, int d) { return to_f(Ks[r * LT + d]); };
   block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { Xs[r * LC + c] = c < r ? bs[r] * v : 0.f; });
   __syncthreads();
+  PA_PROBE(2);
   unit_lower_inverse(Xs, LC, Es, LC);
   __syncthreads();
+  PA_PROBE(3);
   block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? Es[r * LC + s] * bs[s] : 0.f; },
                                        [&](int s, int d) { return Wf[s * LW + d]; },
                                        [&](int r, int d, float v) { W2f[r * LW + d] = v; });
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
                                         [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; });
   __syncthreads();
+  PA_PROBE(4);
   block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
                                              [&](int t, int c) { return Zs[t * LC + c]; },
                                              [&](int r, int c, float v) { Us[r * LC + c] = v; });
@@ -90,12 +99,11 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   {
     const float* dkt = p.dkt + (tok0 * p.H + h) * K;
     const int64_t ld = int64_t(p.H) * K;
-    for (int idx = tid; idx < kChunk * K; idx += kThreads) {
-      const int j = idx / K, a = idx % K;
-      Big[j * LW + a] = j < nq ? dkt[j * ld + a] : 0.f;
-    }
+    stage_tile<K>([&](int j, int a) { return j < nq ? dkt[j * ld + a] : 0.f; },
+                  [&](int j, int a, float v) { Big[j * LW + a] = v; });
   }
   __syncthreads();
+  PA_PROBE(5);
 
   // ---- gradients of the chunk product (D = dP) and of the chunk-end keys (dk~).
   const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
@@ -115,10 +123,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   T* dqp = static_cast<T*>(p.dq);
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
-    for (int idx = tid; idx < kChunk * K; idx += kThreads) {
-      const int r = idx / K, d = idx % K;
-      Qs[r * LT + d] = r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f);
-    }
+    PA_PROBE(6);
+    stage_tile<K>([&](int r, int d) { return r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f); },
+                  [&](int r, int d, T v) { Qs[r * LT + d] = v; });
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
     const int64_t dq_ld = int64_t(p.HQ) * K;
     auto dQt = [&](int r, int d) { return r < nq ? dq_t[r * dq_ld + d] : 0.f; };
@@ -127,6 +134,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     auto dAl = [&](int r, int c) { return r < nq ? dal[r * dal_ld + c] : 0.f; };
     auto q_rk = [&](int r, int d) { return to_f(Qs[r * LT + d]); };
     __syncthreads();
+    PA_PROBE(7);
     // X = tril_incl(Q W^T) -> Xs.
     block_mm_tc<kChunk, kChunk, K, false>(q_rk, w_kc, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; });
     // dX = -(dq~ W2^T + dA_loc U^T) on the lower triangle -> dXs.
@@ -135,6 +143,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
         [&](int k, int s) { return k < K ? W2f[s * LW + k] : Us[s * LC + k - K]; },
         [&](int r, int s, float v) { dXs[r * LC + s] = s <= r && r < nq ? -v : 0.f; });
     __syncthreads();
+    PA_PROBE(8);
     // dq = dq~ + dA_loc K + dX W.
     block_mm_tc<kChunk, K, 2 * kChunk, false>(
         [&](int r, int k) { return k < kChunk ? dAl(r, k) : dXs[r * LC + k - kChunk]; },
@@ -153,20 +162,36 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                                });
   }
   __syncthreads();
+  PA_PROBE(9);
 
   // ---- dv = off-diagonal part + diagonal parts of every query head of the group.
+  // (Loads in batches of 8 per thread before their stores, so their latencies overlap: V <= 128.)
   T* dvp = static_cast<T*>(p.dv);
-  for (int idx = tid; idx < nq * p.V; idx += kThreads) {
-    const int j = idx / p.V, e = idx % p.V;
-    float v = p.dvk[((tok0 + j) * p.H + h) * p.V + e];
-    for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) v += p.dvdiag[((tok0 + j) * p.HQ + hq) * p.V + e];
-    dvp[ch.b * p.dv_s[0] + (pos0 + j) * p.dv_s[1] + h * p.dv_s[2] + e] = from_f<T>(v);
+  for (int i0 = 0; i0 < kChunk * 128 / kThreads; i0 += 8) {
+    constexpr int kPer = 8;
+    float dvv[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = tid + (i0 + i) * kThreads, j = idx / p.V, e = idx % p.V;
+      float v = 0.f;
+      if (idx < nq * p.V) {
+        v = p.dvk[((tok0 + j) * p.H + h) * p.V + e];
+        for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) v += p.dvdiag[((tok0 + j) * p.HQ + hq) * p.V + e];
+      }
+      dvv[i] = v;
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = tid + (i0 + i) * kThreads, j = idx / p.V, e = idx % p.V;
+      if (idx < nq * p.V) dvp[ch.b * p.dv_s[0] + (pos0 + j) * p.dv_s[1] + h * p.dv_s[2] + e] = from_f<T>(dvv[i]);
+    }
   }
 
   // ---- through the UT transform.
   float* dW2s = W2f;  // W2 is not read any more
   TK::each(dW2a, [&](int r, int d, float& v) { dW2s[r * LW + d] = v; });
   __syncthreads();
+  PA_PROBE(10);
   // dE (lower incl.) = (dU Zb^T + dW2 Wb^T) -> Us.
   block_mm_tc<kChunk, kChunk, kChunk + K, false>(
       [&](int r, int k) { return k < kChunk ? dUs[r * LC + k] : dW2s[r * LW + k - kChunk]; },
@@ -177,6 +202,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                              [&](int r, int c) { return dUs[r * LC + c]; },
                                              [&](int t, int c, float v) { dUs[t * LC + c] = t > c ? v : 0.f; });
   __syncthreads();
+  PA_PROBE(11);
   if (tid < kChunk) {
     const int t = tid;
     float v = 0.f;
@@ -195,6 +221,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                              [&](int s, int c) { return Es[c * LC + s]; },
                                              [&](int r, int c, float v) { Zs[r * LC + c] = v; });
   __syncthreads();
+  PA_PROBE(12);
   TK::each(dWa, [&](int s, int d, float& v) { v += bs[s] * Big[s * LW + d]; });
   if (tid < kChunk) {
     float v = 0.f;
@@ -206,6 +233,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                              [&](int r, int c) { return Zs[r * LC + c]; },
                                              [&](int a, int c, float v) { dUs[a * LC + c] = c < a ? -v : 0.f; });
   __syncthreads();
+  PA_PROBE(13);
   // dbeta_a += sum_c dA[a][c] (w_a . w_c): the Gram products into Zs, then fixed-order row sums.
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, w_kc, [&](int a, int c, float v) { Zs[a * LC + c] = dUs[a * LC + c] * v; });
   // dW += (diag(b) dA + dA^T diag(b)) W.
@@ -222,6 +250,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     dbs[tid] += v;
   }
   __syncthreads();
+  PA_PROBE(14);
 
   // ---- outputs.
   T* dkp = static_cast<T*>(p.dk);
@@ -234,6 +263,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     });
     if (tid < nq) p.dbeta[ch.b * p.dbeta_s[0] + (pos0 + tid) * p.dbeta_s[1] + h * p.dbeta_s[2]] = dbs[tid];
   }
+  PA_PROBE(15);
 }
 
 template <typename T, int K>
@@ -244,6 +274,8 @@ cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
 }  // namespace
 
 size_t smem_bwd_chunk(int K) { return K == 64 ? BwdChunkSmem<64>::bytes : BwdChunkSmem<128>::bytes; }
+
+PA_PROBE_TABLE(bwd_chunk)
 
 cudaError_t launch_bwd_chunk(const KernelParams& p, int dtype, cudaStream_t s) {
   if (dtype == 0) return p.K == 64 ? run_t<__half, 64>(p, s) : run_t<__half, 128>(p, s);

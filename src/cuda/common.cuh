@@ -384,26 +384,109 @@ __device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
   TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
 }
 
-// Column-wise triangular solves for the 64 x 64 chunk matrices, 4 lanes per column (threads 0..255 work,
-// whole warps beyond them return at once): the 4 lanes split each dot product and reduce with shuffles, so
-// the serial chain is 4x shorter than one thread per column. Every lane runs the same trip count (shuffles
-// need the whole warp).
-//   unit_lower_inverse: E = (I + A)^-1 for A strictly lower (ld lda), E written with ld lde.
-__device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, float* E, int lde) {
-  if (threadIdx.x >= 256) return;
-  const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
-  for (int r = part; r < 64; r += 4)
-    if (r <= c) E[r * lde + c] = r == c ? 1.f : 0.f;
-  __syncwarp();
-  for (int r = 1; r < 64; ++r) {
-    float s = 0.f;
-    if (r > c)
-      for (int t = c + part; t < r; t += 4) s = fmaf(A[r * lda + t], E[t * lde + c], s);
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    if (r > c && part == 0) E[r * lde + c] = -s;
-    __syncwarp();
+// Copies a 64 x D tile into shared memory: x(r, d) returns an element (zero-filling rows itself), store(r, d,
+// value) places it. A block of kTcThreads threads issues all of its 64 D / kTcThreads loads before its first
+// store, so their latencies overlap (a strided loop waits for each load before the next).
+template <int D, class FX, class FS>
+__device__ __forceinline__ void stage_tile(FX x, FS store) {
+  static_assert(64 * D % kTcThreads == 0, "stage_tile: 64 D must be a multiple of the block size");
+  constexpr int kPer = 64 * D / kTcThreads;
+  decltype(x(0, 0)) v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * kTcThreads;
+    v[i] = x(idx / D, idx % D);
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * kTcThreads;
+    store(idx / D, idx % D, v[i]);
   }
 }
+
+// E = (I + A)^-1 for a 64 x 64 strictly lower A (ld lda), written to E (ld lde); every thread of a kTcThreads
+// block calls it, and it ends with a barrier. Blocked in 16 x 16 tiles: the four diagonal blocks by forward
+// substitution (4 lanes per column, 15 dependent steps, no barrier), then the block diagonals below them,
+// L = 1, 2, 3: E_ij = -E_ii (sum_{k = j}^{i - 1} A_ik E_kj) for i = j + L (two small products each, results
+// through registers). 16 + 3 x 3 barrier-separated steps instead of 63 row steps over the whole matrix.
+__device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, float* E, int lde) {
+  constexpr int kPer = (3 * 256 + kTcThreads - 1) / kTcThreads;  // outputs per thread of one block diagonal
+  const int tid = threadIdx.x;
+  for (int idx = tid; idx < 64 * 64; idx += kTcThreads) {
+    const int r = idx >> 6, c = idx & 63;
+    if (r <= c) E[r * lde + c] = r == c ? 1.f : 0.f;
+  }
+  __syncthreads();
+  if (tid < 256) {  // diagonal blocks: a warp's 8 columns share one block, so the trip count is warp-uniform
+    const int c = tid >> 2, part = tid & 3, b0 = c & ~15;
+    for (int r = b0 + 1; r < b0 + 16; ++r) {
+      float s = 0.f;
+      if (r > c)
+        for (int t = c + part; t < r; t += 4) s = fmaf(A[r * lda + t], E[t * lde + c], s);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (r > c && part == 0) E[r * lde + c] = -s;
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int L = 1; L < 4; ++L) {
+    const int nel = (4 - L) * 256;
+    float v[kPer];
+    // T_ij = sum_{k = j}^{i - 1} A_ik E_kj (blocks of earlier diagonals only), parked in E_ij's place.
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int idx = tid + e * kTcThreads, j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      float s = 0.f;
+      if (idx < nel)
+        for (int t = c; t < 16 * (j + L); ++t) s = fmaf(A[r * lda + t], E[t * lde + c], s);
+      v[e] = s;
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int idx = tid + e * kTcThreads, j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      if (idx < nel) E[r * lde + c] = v[e];
+    }
+    __syncthreads();
+    // E_ij = -E_ii T_ij (E_ii unit lower).
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int idx = tid + e * kTcThreads, j = idx >> 8, i0 = 16 * (j + L), r = i0 + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      float s = 0.f;
+      if (idx < nel)
+        for (int t = i0; t <= r; ++t) s = fmaf(E[r * lde + t], E[t * lde + c], s);
+      v[e] = -s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      const int idx = tid + e * kTcThreads, j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      if (idx < nel) E[r * lde + c] = v[e];
+    }
+    __syncthreads();
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Phase probes (dev/cuda/phase_probe.cu), compiled in only with -DPATHATTN_PHASE_PROBE: thread 0 of each of
+// the first kProbeCtas CTAs (blockIdx.x fastest) stamps clock64() at PA_PROBE(slot), into a table per
+// translation unit that PA_PROBE_TABLE(name) exposes to the host as probe_table_name(). Callers place probes
+// after a __syncthreads, so a stamp marks the end of a phase for the whole CTA.
+#ifdef PATHATTN_PHASE_PROBE
+inline constexpr int kProbeCtas = 2048, kProbeSlots = 24;
+static __device__ long long g_probe[kProbeCtas][kProbeSlots];
+#define PA_PROBE(slot)                                                                   \
+  do {                                                                                   \
+    const int cta_ = blockIdx.x + gridDim.x * blockIdx.y;                                \
+    if (threadIdx.x == 0 && cta_ < kProbeCtas) g_probe[cta_][slot] = clock64();          \
+  } while (0)
+#define PA_PROBE_TABLE(name) \
+  cudaError_t probe_table_##name(long long* host) { return cudaMemcpyFromSymbol(host, g_probe, sizeof(g_probe)); }
+#else
+#define PA_PROBE(slot) \
+  do {                 \
+  } while (0)
+#define PA_PROBE_TABLE(name)
+#endif
 
 }  // namespace pathattn::cuda

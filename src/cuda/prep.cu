@@ -48,35 +48,45 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
   const T* kp = static_cast<const T*>(p.k);
   const T* qp = static_cast<const T*>(p.q);
 
-  for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
-    const int r = idx / K, d = idx % K;
-    const bool ok = r < nq;
-    Ks[r * LT + d] = ok ? kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d] : from_f<T>(0.f);
-    Wf[r * LW + d] = ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
-  }
+  PA_PROBE(0);
+  stage_tile<K>(  // (k, w) pairs; k goes through fp32 and back, exactly
+      [&](int r, int d) {
+        const bool ok = r < nq;
+        return make_float2(ok ? to_f(kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f,
+                           ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f);
+      },
+      [&](int r, int d, float2 v) {
+        Ks[r * LT + d] = from_f<T>(v.x);
+        Wf[r * LW + d] = v.y;
+      });
   if (tid < kChunk) {
     const int r = tid;
     bs[r] = r < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
   }
   __syncthreads();
+  PA_PROBE(1);
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };   // W as the left operand
   auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };   // W^T as the right operand
   // A -> R1 (strict lower), split tf32.
   block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { R1[r * LC + c] = c < r ? bs[r] * v : 0.f; });
   __syncthreads();
+  PA_PROBE(2);
   // E = (I + A)^-1 -> R2 (fp32).
   unit_lower_inverse(R1, LC, R2, LC);
   __syncthreads();
+  PA_PROBE(3);
   // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
   block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
       [&](int s, int d) { return Wf[s * LW + d]; }, [&](int r, int d, float v) { W2f[r * LW + d] = v; });
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
                                      [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; });
   __syncthreads();
+  PA_PROBE(4);
   // U = E diag(b) Z, in place in R1 (strict lower).
   block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int t) { return t <= r ? R2[r * LC + t] * bs[t] : 0.f; },
       [&](int t, int c) { return R1[t * LC + c]; }, [&](int r, int c, float v) { R1[r * LC + c] = v; });
   __syncthreads();
+  PA_PROBE(5);
   // k~ = K - U^T W, and the fp16 copies of W and W2.
   T* ktp = static_cast<T*>(p.kt);
   block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LW + d]; },
@@ -92,15 +102,16 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
   // Per query head of the group.
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();
-    for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
-      const int r = idx / K, d = idx % K;
-      Qs[r * LT + d] = r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f);
-    }
+    PA_PROBE(6);
+    stage_tile<K>([&](int r, int d) { return r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f); },
+                  [&](int r, int d, T v) { Qs[r * LT + d] = v; });
     __syncthreads();
+    PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
     block_mm_tc<kChunk, kChunk, K, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); }, w_kc,
                                        [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; });
     __syncthreads();
+    PA_PROBE(8);
     // q~ = Q - X W2.
     block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; }, [&](int s, int d) { return W2f[s * LW + d]; },
         [&](int r, int d, float v) {
@@ -113,6 +124,7 @@ __global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p
           if (r < nq) p.aloc[((tok0 + r) * p.HQ + hq) * kChunk + c] = c <= r ? v : 0.f;
         });
   }
+  PA_PROBE(9);
 }
 
 // M <- M P_c = M - (M W_c^T) W2_c for a K x K fp32 matrix M in shared memory (leading dim LM), through the
@@ -364,6 +376,8 @@ template <typename T, int K>
 static cudaError_t prep_t(const KernelParams& p, cudaStream_t s) {
   return launch_with_smem(chunk_prep_kernel<T, K>, dim3(p.nchunks, p.H), kPrepThreads, smem_chunk_prep(K), s, p);
 }
+
+PA_PROBE_TABLE(prep)
 
 cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s) {
   if (dtype == 0) return p.K == 64 ? prep_t<__half, 64>(p, s) : prep_t<__half, 128>(p, s);

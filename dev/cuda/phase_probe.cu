@@ -1,0 +1,165 @@
+// dev/cuda/phase_probe.cu: where a CTA of the chunk kernels spends its cycles. The library's chunk_prep and
+// bwd_chunk, built with -DPATHATTN_PHASE_PROBE, stamp clock64() after each barrier-closed phase
+// (PA_PROBE in src/cuda/common.cuh); this program runs them through their launchers on a BENCH.md shape
+// (B * T = 32768, T = 1024, MHA, bf16; random inputs and gradients) and prints, per phase, the mean cycles
+// over the first kProbeCtas CTAs and the share of a CTA's time, beside the kernel's median time.
+// Build and run from the repository root:
+//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc -DPATHATTN_PHASE_PROBE dev/cuda/phase_probe.cu src/cuda/prep.cu \
+//        src/cuda/bwd_chunk.cu -o phase_probe && ./phase_probe
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/launchers.h"
+#include "tf32_nt.cuh"
+
+#ifndef PATHATTN_PHASE_PROBE
+#error "build with -DPATHATTN_PHASE_PROBE (see the header)"
+#endif
+
+namespace pathattn::cuda {
+cudaError_t probe_table_prep(long long* host);
+cudaError_t probe_table_bwd_chunk(long long* host);
+}  // namespace pathattn::cuda
+
+using namespace pathattn::cuda;
+
+namespace {
+
+__device__ float hash_uniform(size_t i, uint32_t seed) {  // in [-1, 1)
+  uint32_t x = uint32_t(i) * 0x9E3779B9u ^ uint32_t(i >> 32) * 0x85EBCA6Bu ^ seed * 0xC2B2AE35u;
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return float(x >> 8) * (2.f / 16777216.f) - 1.f;
+}
+
+template <typename E>
+__global__ void fill(E* x, size_t n, uint32_t seed, float scale, float offset) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = from_f<E>(offset + scale * hash_uniform(i, seed));
+}
+
+__global__ void normalize_rows(float* w, size_t rows, int K) {
+  const size_t r = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  float n = 0.f;
+  for (int d = 0; d < K; ++d) n += w[r * K + d] * w[r * K + d];
+  const float inv = rsqrtf(fmaxf(n, 1e-12f));
+  for (int d = 0; d < K; ++d) w[r * K + d] *= inv;
+}
+
+template <typename E>
+E* alloc_fill(size_t n, uint32_t seed, float scale, float offset = 0.f) {
+  E* p = nullptr;
+  CK(cudaMalloc(&p, n * sizeof(E)));
+  fill<E><<<1024, 256>>>(p, n, seed, scale, offset);
+  CK(cudaGetLastError());
+  return p;
+}
+
+void report(const char* kernel, const std::vector<const char*>& phases, int nctas, cudaError_t (*table)(long long*),
+            float ms, size_t smem, int clock_khz) {
+  std::vector<long long> t(size_t(kProbeCtas) * kProbeSlots);
+  CK(table(t.data()));
+  const int n = nctas < kProbeCtas ? nctas : kProbeCtas, np = int(phases.size());
+  std::vector<double> mean(np, 0.0);
+  double total = 0.0;
+  for (int c = 0; c < n; ++c) {
+    const long long* row = t.data() + size_t(c) * kProbeSlots;
+    for (int i = 0; i < np; ++i) mean[i] += double(row[i + 1] - row[i]) / n;
+    total += double(row[np] - row[0]) / n;
+  }
+  std::printf("%s: %.3f ms, %d CTAs, %zu KB shared memory; a CTA (mean of the first %d): %.0f cycles = %.1f us\n",
+              kernel, ms, nctas, smem / 1024, n, total, total / clock_khz * 1e3);
+  for (int i = 0; i < np; ++i)
+    std::printf("  %-44s %9.0f cycles %5.1f%%\n", phases[i], mean[i], 100.0 * mean[i] / total);
+}
+
+template <int K>
+void run(int T, int H) {
+  const int B = 32768 / T, HQ = H, V = K, C = kChunk, nc = T / C;
+  const size_t NT = size_t(B) * T;
+  using bf = __nv_bfloat16;
+  bf* q = alloc_fill<bf>(NT * HQ * K, 1, 1.f);
+  bf* k = alloc_fill<bf>(NT * H * K, 2, 1.f);
+  bf* v = alloc_fill<bf>(NT * H * V, 3, 1.f);
+  float* w = alloc_fill<float>(NT * H * K, 4, 1.f);
+  normalize_rows<<<int((NT * H + 255) / 256), 256>>>(w, NT * H, K);
+  float* beta = alloc_fill<float>(NT * H, 5, 1.f, 1.f);  // U(0, 2)
+  std::vector<ChunkDesc> chunks;
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < nc; ++c) chunks.push_back({b, 0, T, c, b * nc, 0});
+  ChunkDesc* dch = nullptr;
+  CK(cudaMalloc(&dch, chunks.size() * sizeof(ChunkDesc)));
+  CK(cudaMemcpy(dch, chunks.data(), chunks.size() * sizeof(ChunkDesc), cudaMemcpyHostToDevice));
+
+  KernelParams kp{};
+  kp.B = B, kp.T = T, kp.H = H, kp.HQ = HQ, kp.group = 1, kp.K = K, kp.V = V;
+  kp.path = true, kp.gate = false, kp.scale = 1.f / std::sqrt(float(K)), kp.gate_scale = kp.scale;
+  kp.q = q, kp.k = k, kp.v = v, kp.w = w, kp.beta = beta;
+  const int64_t sq[3] = {int64_t(T) * HQ * K, int64_t(HQ) * K, K}, sk[3] = {int64_t(T) * H * K, int64_t(H) * K, K},
+                sb[3] = {int64_t(T) * H, H, 1};
+  for (int i = 0; i < 3; ++i) {
+    kp.q_s[i] = kp.dq_s[i] = sq[i];
+    kp.k_s[i] = kp.v_s[i] = kp.w_s[i] = kp.dk_s[i] = kp.dv_s[i] = kp.dw_s[i] = sk[i];
+    kp.beta_s[i] = kp.dbeta_s[i] = sb[i];
+  }
+  kp.chunks = dch, kp.nchunks = int(chunks.size()), kp.max_chunks = nc;
+  // chunk_prep outputs; bwd_chunk's inputs (scan gradients: small random values) and outputs.
+  CK(cudaMalloc(&kp.w16, NT * H * K * 2));
+  CK(cudaMalloc(&kp.w2h, NT * H * K * 2));
+  CK(cudaMalloc(&kp.kt, NT * H * K * 2));
+  CK(cudaMalloc(&kp.qtl, NT * HQ * K * 4));
+  CK(cudaMalloc(&kp.aloc, NT * HQ * C * 4));
+  kp.dP = alloc_fill<float>(size_t(kp.nchunks) * H * K * K, 6, 1e-2f);
+  kp.dkt = alloc_fill<float>(NT * H * K, 7, 1e-2f);
+  kp.dqt = alloc_fill<float>(NT * HQ * K, 8, 1e-2f);
+  kp.dvdiag = alloc_fill<float>(NT * HQ * V, 9, 1e-2f);
+  kp.dvk = alloc_fill<float>(NT * H * V, 10, 1e-2f);
+  CK(cudaMalloc(&kp.dq, NT * HQ * K * 2));
+  CK(cudaMalloc(&kp.dk, NT * H * K * 2));
+  CK(cudaMalloc(&kp.dv, NT * H * V * 2));
+  CK(cudaMalloc(&kp.dw, NT * H * K * 4));
+  CK(cudaMalloc(&kp.dbeta, NT * H * 4));
+  CK(cudaDeviceSynchronize());
+
+  int dev = 0, clock_khz = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev));
+  const int nctas = kp.nchunks * H;
+  std::printf("K = V = %d, H = HQ = %d, T = %d, B = %d (SM clock %.0f MHz)\n", K, H, T, B, clock_khz / 1e3);
+  auto prep = [&] { CK(launch_chunk_prep(kp, 1, 0)); };
+  const float t_prep = dev::median_ms(prep, 9);  // the last run leaves its stamps
+  CK(cudaDeviceSynchronize());
+  report("chunk_prep", {"load K, W, beta", "A = diag(b) W W^T (split tf32)", "E = (I + A)^-1 (CUDA cores)",
+                        "W2 = E diag(b) W (split), Z = W K^T", "U = E diag(b) Z", "k~, w16 / w2h stores",
+                        "load Q", "X = Q W^T", "q~, A_loc (thread 0's end)"},
+         nctas, probe_table_prep, t_prep, smem_chunk_prep(K), clock_khz);
+  // aloc now holds chunk_prep's logits; bwd_chunk reads it as scale dS: replace by small values.
+  fill<float><<<1024, 256>>>(kp.aloc, NT * HQ * C, 11, 1e-2f, 0.f);
+  auto bwd = [&] { CK(launch_bwd_chunk(kp, 1, 0)); };
+  const float t_bwd = dev::median_ms(bwd, 9);
+  CK(cudaDeviceSynchronize());
+  report("bwd_chunk", {"load K, W, beta", "A (split tf32)", "E = (I + A)^-1", "W2 (split), Z", "U, stage dk~",
+                       "dW2 -= W dP; dW -= W2 dP^T + U dk~; dU", "load Q", "X; dX (dq~, dA_loc from global)",
+                       "dq; dK, dW, dW2 sums; dU", "dv, stage dW2", "dE, dZb", "dbeta, dW, dK, dWb, M1", "dA",
+                       "Gram, dW, dbeta", "outputs (thread 0's end)"},
+         nctas, probe_table_bwd_chunk, t_bwd, smem_bwd_chunk(K), clock_khz);
+  void* bufs[] = {q, k, v, w, beta, dch, kp.w16, kp.w2h, kp.kt, kp.qtl, kp.aloc, kp.dP, kp.dkt, kp.dqt,
+                  kp.dvdiag, kp.dvk, kp.dq, kp.dk, kp.dv, kp.dw, kp.dbeta};
+  for (void* b : bufs) CK(cudaFree(b));
+}
+
+}  // namespace
+
+int main() {
+  run<128>(1024, 16);
+  run<64>(1024, 32);
+  return 0;
+}
