@@ -50,7 +50,6 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   const ChunkDesc ch = p.chunks[ci];
   const int nq = min(kChunk, ch.len - ch.c * kChunk);
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk, tok0 = ch.b * p.T + pos0;
-  const T* kp = static_cast<const T*>(p.k);
   const T* qp = static_cast<const T*>(p.q);
 
   typename TK::Acc dWa, dKa, dW2a;
@@ -60,16 +59,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
 
   // ---- recompute the UT transform.
   PA_PROBE(0);
-  stage_tile<K>(  // (k, w) pairs; k goes through fp32 and back, exactly
-      [&](int r, int d) {
-        const bool ok = r < nq;
-        return make_float2(ok ? to_f(kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f,
-                           ok && p.path ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f);
-      },
-      [&](int r, int d, float2 v) {
-        Ks[r * LT + d] = from_f<T>(v.x);
-        Wf[r * LW + d] = v.y;
-      });
+  stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW);
   if (tid < kChunk) {
     bs[tid] = tid < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
     dbs[tid] = 0.f;

@@ -404,6 +404,25 @@ __device__ __forceinline__ void stage_tile(FX x, FS store) {
   }
 }
 
+// A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (fp32, into Wf, leading dim lw) of kv
+// head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero. The
+// (k, w) pairs go through stage_tile together, k through fp32 and back (exact).
+template <int K, class P, typename T>
+__device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
+                                               float* Wf, int lw) {
+  const T* kp = static_cast<const T*>(p.k);
+  stage_tile<K>(
+      [&](int r, int d) {
+        const bool ok = r < nq;
+        return make_float2(ok ? to_f(kp[b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f,
+                           ok && p.path ? p.w[b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f);
+      },
+      [&](int r, int d, float2 v) {
+        Ks[r * lt + d] = from_f<T>(v.x);
+        Wf[r * lw + d] = v.y;
+      });
+}
+
 // E = (I + A)^-1 for a 64 x 64 strictly lower A (ld lda), written to E (ld lde); every thread of a kTcThreads
 // block calls it, and it ends with a barrier. Blocked in 16 x 16 tiles: the four diagonal blocks by forward
 // substitution (4 lanes per column, 15 dependent steps, no barrier), then the block diagonals below them,
