@@ -174,6 +174,7 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
+  PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
   PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
   PA_TRY(check_smem(smem_fwd_scan(int(pr.K), int(pr.V)), "forward"));
@@ -203,6 +204,8 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
 
 Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
+  PA_TRY(check_row_copies(p.v, "v"));
+  PA_TRY(check_row_copies(p.do_, "do"));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
   PA_TRY(check_smem(smem_bwd_q(int(pr.K), int(pr.V)), "backward (query side)"));
   PA_TRY(check_smem(smem_bwd_k(int(pr.K), int(pr.V)), "backward (key side)"));

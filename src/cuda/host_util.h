@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,23 @@ inline Status check_support(const core::Problem& pr, DType dt) {
     return unsupported("q: B * T = " + std::to_string(pr.B * pr.T) + " tokens is more than the cuda backend's chunk table holds");
   }
   return Status::Ok();
+}
+
+// The scans copy rows of v and dO into shared memory 16 bytes at a time (cp.async): the data pointer and the
+// stride of every dimension longer than one must be multiples of 16 bytes (8 elements of a 16-bit type).
+// Contiguous tensors with K, V in {64, 128} always are; an offset view (x[..., 1:]) may not be.
+inline Status check_row_copies(const TensorView& t, const char* name) {
+  const uintptr_t off = reinterpret_cast<uintptr_t>(t.data) % 16;
+  bool ok = off == 0;
+  std::string strides;
+  for (int i = 0; i < t.ndim; ++i) {
+    strides += (i ? ", " : "") + std::to_string(t.stride[i]);
+    if (i + 1 < t.ndim && t.shape[i] > 1 && (t.stride[i] * 2) % 16 != 0) ok = false;
+  }
+  if (ok) return Status::Ok();
+  return unsupported(std::string(name) + ": the cuda backend copies its rows 16 bytes at a time, so the data pointer and the "
+                     "strides of its batch, token and head dimensions must be multiples of 16 bytes (8 elements); got a "
+                     "pointer " + std::to_string(off) + " bytes past a 16-byte boundary and strides (" + strides + ")");
 }
 
 }  // namespace pathattn::cuda

@@ -363,6 +363,18 @@ TEST(CudaBackend, RejectsUnsupported) {
   GpuCase gc3(c3);
   r = run_gpu(gc3, false, false);
   EXPECT_EQ(r.fs.code(), Status::Code::unsupported) << r.fs.message();
+  // v one element past a 16-byte boundary (an offset view): rejected before any kernel reads it.
+  s = mk(70, 2, 2, 64, 64, false, BetaMode::uniform02, DType::bf16, 64);
+  Case c4 = Case::make(s);
+  GpuCase gc4(c4);
+  HostTensor oh(s.dtype, {s.B, s.T, s.HQ, s.V}), lh(DType::f32, {s.B, s.T, s.HQ});
+  DevTensor o(oh, false), lse(lh, false);
+  PathFwdParams f = gc4.fwd_params(o, lse);
+  f.v.data = static_cast<char*>(f.v.data) + 2;
+  const Status st = path_attn_fwd(f);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(st.code(), Status::Code::unsupported) << st.message();
+  EXPECT_NE(st.message().find("v: the cuda backend copies its rows 16 bytes at a time"), std::string::npos) << st.message();
 }
 
 // One row of the forward in fp64 straight from the definition (for long sequences, where the full oracle
