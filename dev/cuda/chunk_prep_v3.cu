@@ -212,13 +212,7 @@ int run(int T, int H) {
     CK(cudaMalloc(&o.qtl, NT * HQ * K * 4));
     CK(cudaMalloc(&o.aloc, NT * HQ * C * 4));
   }
-  KernelParams kp{};
-  kp.B = B, kp.T = T, kp.H = H, kp.HQ = HQ, kp.group = 1, kp.K = K, kp.V = K;
-  kp.path = true, kp.gate = false, kp.scale = 1.f / std::sqrt(float(K)), kp.gate_scale = kp.scale;
-  kp.q = dq, kp.k = dk, kp.v = dk, kp.w = dw, kp.beta = dbeta;
-  const int64_t s4[3] = {int64_t(T) * HQ * K, int64_t(HQ) * K, K}, sk[3] = {int64_t(T) * H * K, int64_t(H) * K, K},
-                sb[3] = {int64_t(T) * H, H, 1};
-  for (int i = 0; i < 3; ++i) kp.q_s[i] = s4[i], kp.k_s[i] = sk[i], kp.v_s[i] = sk[i], kp.w_s[i] = sk[i], kp.beta_s[i] = sb[i];
+  KernelParams kp = dev::mha_params(B, T, H, K, K, dq, dk, dk, dw, dbeta);
   kp.chunks = dch, kp.nchunks = int(chunks.size()), kp.max_chunks = nc;
   auto with = [&](const Outputs& o) {
     KernelParams x = kp;

@@ -99,17 +99,7 @@ void run(int T, int H) {
   CK(cudaMalloc(&dch, chunks.size() * sizeof(ChunkDesc)));
   CK(cudaMemcpy(dch, chunks.data(), chunks.size() * sizeof(ChunkDesc), cudaMemcpyHostToDevice));
 
-  KernelParams kp{};
-  kp.B = B, kp.T = T, kp.H = H, kp.HQ = HQ, kp.group = 1, kp.K = K, kp.V = V;
-  kp.path = true, kp.gate = false, kp.scale = 1.f / std::sqrt(float(K)), kp.gate_scale = kp.scale;
-  kp.q = q, kp.k = k, kp.v = v, kp.w = w, kp.beta = beta;
-  const int64_t sq[3] = {int64_t(T) * HQ * K, int64_t(HQ) * K, K}, sk[3] = {int64_t(T) * H * K, int64_t(H) * K, K},
-                sb[3] = {int64_t(T) * H, H, 1};
-  for (int i = 0; i < 3; ++i) {
-    kp.q_s[i] = kp.dq_s[i] = sq[i];
-    kp.k_s[i] = kp.v_s[i] = kp.w_s[i] = kp.dk_s[i] = kp.dv_s[i] = kp.dw_s[i] = sk[i];
-    kp.beta_s[i] = kp.dbeta_s[i] = sb[i];
-  }
+  KernelParams kp = dev::mha_params(B, T, H, K, V, q, k, v, w, beta);
   kp.chunks = dch, kp.nchunks = int(chunks.size()), kp.max_chunks = nc;
   // chunk_prep outputs; bwd_chunk's inputs (scan gradients: small random values) and outputs.
   CK(cudaMalloc(&kp.w16, NT * H * K * 2));

@@ -13,11 +13,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/kernel_params.h"
 
 #define CK(x)                                                                        \
   do {                                                                               \
@@ -29,6 +31,24 @@
   } while (0)
 
 namespace pathattn::cuda::dev {
+
+// KernelParams of an MHA call on contiguous [B, T, heads, D] tensors (HQ = H, transport on, no gate), with
+// the strides of every input and gradient set; the chunk table and the workspace are the caller's.
+inline KernelParams mha_params(int B, int T, int H, int K, int V, const void* q, const void* k, const void* v,
+                               const float* w, const float* beta) {
+  KernelParams kp{};
+  kp.B = B, kp.T = T, kp.H = H, kp.HQ = H, kp.group = 1, kp.K = K, kp.V = V;
+  kp.path = true, kp.gate = false, kp.scale = 1.f / std::sqrt(float(K)), kp.gate_scale = kp.scale;
+  kp.q = q, kp.k = k, kp.v = v, kp.w = w, kp.beta = beta;
+  const int64_t sk[3] = {int64_t(T) * H * K, int64_t(H) * K, K}, sv[3] = {int64_t(T) * H * V, int64_t(H) * V, V},
+                sb[3] = {int64_t(T) * H, H, 1};
+  for (int i = 0; i < 3; ++i) {
+    kp.q_s[i] = kp.dq_s[i] = kp.k_s[i] = kp.dk_s[i] = kp.w_s[i] = kp.dw_s[i] = sk[i];
+    kp.v_s[i] = kp.dv_s[i] = sv[i];
+    kp.beta_s[i] = kp.dbeta_s[i] = sb[i];
+  }
+  return kp;
+}
 
 // Median of `runs` timings (CUDA events on the default stream) of f(), after one warm-up call.
 template <class F>
