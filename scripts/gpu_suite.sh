@@ -5,14 +5,16 @@
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
 # opcheck / torch.compile, prefill and decode on the GPU) when a pathattn wheel built with the CUDA backend
 # sits in .whl/ or WHEELS (installed with the fla wheels found there into a private target directory).
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--out DIR]
+#   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
+#   chunk kernels' phase probe (dev/cuda/phase_probe.cu).
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
+BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
@@ -22,6 +24,7 @@ while [ $# -gt 0 ]; do
     --Ts) TS=$2; shift ;;
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
+    --probe) PROBE=1 ;;
     --out) OUTDIR=$2; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -58,6 +61,26 @@ if [ "$TESTS" = 1 ]; then
       > "$OUTDIR/racecheck.log" 2>&1; echo "racecheck rc=$?" | tee -a "$OUTDIR/racecheck.log"
     tail -3 "$OUTDIR/racecheck.log"
   fi
+  # The engine's CUDA device (CPU vs CUDA parity), when the build directory has it (a build with the apps).
+  ENG=$BUILD/tests/cuda/test_engine_cuda
+  [ -x "$ENG" ] || ENG=$BUILD/test_engine_cuda
+  if [ -x "$ENG" ]; then
+    echo "== engine GPU tests"
+    "$ENG" --gtest_color=no > "$OUTDIR/test_engine_cuda.log" 2>&1 || status=1
+    grep -E "FAILED|PASSED|Failure|K [0-9]+ \(Kp" "$OUTDIR/test_engine_cuda.log"
+  fi
+fi
+
+if [ "$PROBE" = 1 ]; then
+  # Per-phase cycles of the chunk kernels (dev/cuda/phase_probe.cu): prebuilt in the build directory, or
+  # built here with the toolkit's nvcc.
+  echo "== chunk-kernel phase probe"
+  PP=$BUILD/phase_probe
+  if [ ! -x "$PP" ] && command -v nvcc > /dev/null; then
+    nvcc -std=c++17 -O3 -arch=sm_90a -Isrc -DPATHATTN_PHASE_PROBE dev/cuda/phase_probe.cu src/cuda/prep.cu \
+      src/cuda/bwd_chunk.cu -o "$OUTDIR/phase_probe" && PP=$OUTDIR/phase_probe
+  fi
+  if [ -x "$PP" ]; then "$PP" | tee "$OUTDIR/phase_probe.txt" || status=1; else echo "phase probe: not built (no nvcc)"; status=1; fi
 fi
 
 if [ "$BENCH" = 1 ]; then
