@@ -86,6 +86,18 @@ struct PathBwdParams {
   void* stream = nullptr;
 };
 
+// The backward's parameters for the forward call f: its inputs, scales, outputs o / lse and execution settings
+// (backend, threads, chunk size, validation, stream). The caller adds do_ and the gradient views.
+inline PathBwdParams bwd_params_for(const PathFwdParams& f) {
+  PathBwdParams b;
+  b.q = f.q, b.k = f.k, b.v = f.v, b.w = f.w, b.beta = f.beta, b.g = f.g, b.cu_seqlens = f.cu_seqlens;
+  b.scale = f.scale, b.gate_scale = f.gate_scale;
+  b.o = f.o, b.lse = f.lse;
+  b.backend = f.backend, b.num_threads = f.num_threads, b.chunk_size = f.chunk_size, b.validate = f.validate;
+  b.stream = f.stream;
+  return b;
+}
+
 // Forward: writes o (and lse when given). Returns a non-ok Status, touching no output, on bad input.
 Status path_attn_fwd(const PathFwdParams& p);
 

@@ -206,13 +206,8 @@ BwdOut run_bwd(const Case& c, const FwdOut& f, const HostTensor& dout, Backend b
   b.dq = HostTensor(s.dtype, {s.B, s.T, s.HQ, s.K});
   b.dk = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
   b.dv = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
-  PathBwdParams p;
-  p.q = c.q.view();
-  p.k = c.k.view();
-  p.v = c.v.view();
+  PathBwdParams p = bwd_params_for(c.fwd_params(f.o, &f.lse));
   if (s.path) {
-    p.w = c.w.view();
-    p.beta = c.beta.view();
     b.dw = HostTensor(fdt, {s.B, s.T, s.H, s.K});
     b.dbeta = HostTensor(fdt, {s.B, s.T, s.H});
     b.dw.poison();
@@ -221,15 +216,10 @@ BwdOut run_bwd(const Case& c, const FwdOut& f, const HostTensor& dout, Backend b
     p.dbeta = b.dbeta.view();
   }
   if (s.gate) {
-    p.g = c.g.view();
     b.dg = HostTensor(fdt, {s.B, s.T, s.HQ});
     b.dg.poison();
     p.dg = b.dg.view();
   }
-  if (c.cu.present()) p.cu_seqlens = c.cu.view();
-  p.gate_scale = s.gate_scale;
-  p.o = f.o.view();
-  p.lse = f.lse.view();
   p.do_ = dout.view();
   b.dq.poison();
   b.dk.poison();

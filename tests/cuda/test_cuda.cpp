@@ -133,12 +133,7 @@ GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic) {
   r.dk = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
   r.dv = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
   DevTensor dq(r.dq, false), dk(r.dk, false), dv(r.dv, false), dw, dbeta, dg;
-  PathBwdParams p;
-  PathFwdParams f = gc.fwd_params(o, lse);
-  p.q = f.q; p.k = f.k; p.v = f.v; p.w = f.w; p.beta = f.beta; p.g = f.g; p.cu_seqlens = f.cu_seqlens;
-  p.gate_scale = f.gate_scale;
-  p.o = vw(o);
-  p.lse = vw(lse);
+  PathBwdParams p = bwd_params_for(gc.fwd_params(o, lse));
   p.do_ = vw(gc.dout);
   p.dq = vw(dq);
   p.dk = vw(dk);
@@ -156,7 +151,6 @@ GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic) {
     dg = DevTensor(r.dg, false);
     p.dg = vw(dg);
   }
-  p.backend = Backend::cuda;
   p.deterministic = deterministic;
   r.bs = path_attn_bwd(p);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -499,8 +499,7 @@ TEST_F(EngineCudaKernels, AttentionOnPaddedHeads) {
     cf.lse = hv(lse, {B, T, HQ});
     cf.backend = Backend::cpu;
     ASSERT_TRUE(path_attn_fwd(cf).ok());
-    PathBwdParams cb;
-    cb.q = cf.q, cb.k = cf.k, cb.v = cf.v, cb.w = cf.w, cb.beta = cf.beta, cb.g = cf.g, cb.o = cf.o, cb.lse = cf.lse;
+    PathBwdParams cb = bwd_params_for(cf);
     cb.do_ = hv(dO, {B, T, HQ, K});
     cb.dq = hv(dq, {B, T, HQ, K});
     cb.dk = hv(dk, {B, T, H, K});
@@ -508,7 +507,6 @@ TEST_F(EngineCudaKernels, AttentionOnPaddedHeads) {
     cb.dw = hv(dw, {B, T, H, K});
     cb.dbeta = hv(dbeta, {B, T, H});
     cb.dg = hv(dg, {B, T, HQ});
-    cb.backend = Backend::cpu;
     ASSERT_TRUE(path_attn_bwd(cb).ok());
 
     // CUDA, padded as CudaModel pads.
@@ -541,10 +539,7 @@ TEST_F(EngineCudaKernels, AttentionOnPaddedHeads) {
     f.stream = s;
     const Status sf = path_attn_fwd(f);
     ASSERT_TRUE(sf.ok()) << sf.message();
-    PathBwdParams b;
-    b.q = f.q, b.k = f.k, b.v = f.v, b.w = f.w, b.beta = f.beta, b.g = f.g, b.o = f.o, b.lse = f.lse;
-    b.scale = f.scale;
-    b.gate_scale = f.gate_scale;
+    PathBwdParams b = bwd_params_for(f);
     b.do_ = cv(dOb, DType::bf16, {B, T, HQ, Kp});
     b.dq = cv(dqb, DType::bf16, {B, T, HQ, Kp});
     b.dk = cv(dkb, DType::bf16, {B, T, H, Kp});
@@ -552,9 +547,7 @@ TEST_F(EngineCudaKernels, AttentionOnPaddedHeads) {
     b.dw = cv(gdw, DType::f32, {B, T, H, Kp});
     b.dbeta = cv(gdbeta, DType::f32, {B, T, H});
     b.dg = cv(gdg, DType::f32, {B, T, HQ});
-    b.backend = Backend::cuda;
     b.deterministic = true;
-    b.stream = s;
     const Status sb = path_attn_bwd(b);
     ASSERT_TRUE(sb.ok()) << sb.message();
     gpu::from_bf16_padded(ob, go, N * HQ, K, Kp, s);
