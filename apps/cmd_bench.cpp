@@ -90,13 +90,7 @@ struct AttnRun {
     if (!path) f.w = f.beta = TensorView();
     f.backend = be;
     f.num_threads = threads;
-    b.q = f.q;
-    b.k = f.k;
-    b.v = f.v;
-    b.w = f.w;
-    b.beta = f.beta;
-    b.o = o.view();
-    b.lse = lse.view();
+    b = bwd_params_for(f);
     b.do_ = dout.view();
     b.dq = dq.view();
     b.dk = dk.view();
@@ -107,8 +101,6 @@ struct AttnRun {
       b.dw = dw.view();
       b.dbeta = dbeta.view();
     }
-    b.backend = be;
-    b.num_threads = threads;
   }
   Status fwd() const { return path_attn_fwd(f); }
   Status fwd_bwd() const {

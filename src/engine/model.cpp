@@ -174,7 +174,7 @@ DecodeCache Model<T>::cache_view(LayerCache& c) {
 }
 
 template <typename T>
-void Model<T>::attention_fwd(LayerActs& a, int64_t B, int64_t T_, LayerCache* cache) {
+PathFwdParams Model<T>::attention_params(LayerActs& a, int64_t B, int64_t T_) {
   const int64_t HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K();
   constexpr DType dt = dtype_of<T>();
   PathFwdParams p;
@@ -190,6 +190,12 @@ void Model<T>::attention_fwd(LayerActs& a, int64_t B, int64_t T_, LayerCache* ca
   p.lse = make_view(a.lse.data(), dt, {B, T_, HQ});
   p.backend = backend;
   p.num_threads = threads;
+  return p;
+}
+
+template <typename T>
+void Model<T>::attention_fwd(LayerActs& a, int64_t B, int64_t T_, LayerCache* cache) {
+  const PathFwdParams p = attention_params(a, B, T_);
   Status s;
   if (cache) {
     PathPrefillParams pp;
@@ -235,28 +241,16 @@ void Model<T>::attention_bwd(LayerActs& a, const std::vector<T>& dO, std::vector
                              int64_t B, int64_t T_) {
   const int64_t HQ = cfg_.n_head, H = cfg_.H(), K = cfg_.K();
   constexpr DType dt = dtype_of<T>();
-  PathBwdParams p;
-  p.q = make_view(a.q.data(), dt, {B, T_, HQ, K});
-  p.k = make_view(a.k.data(), dt, {B, T_, H, K});
-  p.v = make_view(a.v.data(), dt, {B, T_, H, K});
-  p.o = make_view(a.o.data(), dt, {B, T_, HQ, K});
-  p.lse = make_view(a.lse.data(), dt, {B, T_, HQ});
+  PathBwdParams p = bwd_params_for(attention_params(a, B, T_));
   p.do_ = make_view(const_cast<T*>(dO.data()), dt, {B, T_, HQ, K});
   p.dq = make_view(dq.data(), dt, {B, T_, HQ, K});
   p.dk = make_view(dk.data(), dt, {B, T_, H, K});
   p.dv = make_view(dv.data(), dt, {B, T_, H, K});
   if (attn_has_path(cfg_.attn)) {
-    p.w = make_view(a.w.data(), dt, {B, T_, H, K});
-    p.beta = make_view(a.beta.data(), dt, {B, T_, H});
     p.dw = make_view(dw.data(), dt, {B, T_, H, K});
     p.dbeta = make_view(dbeta.data(), dt, {B, T_, H});
   }
-  if (attn_has_gate(cfg_.attn)) {
-    p.g = make_view(a.g.data(), dt, {B, T_, HQ});
-    p.dg = make_view(dg.data(), dt, {B, T_, HQ});
-  }
-  p.backend = backend;
-  p.num_threads = threads;
+  if (attn_has_gate(cfg_.attn)) p.dg = make_view(dg.data(), dt, {B, T_, HQ});
   const Status s = path_attn_bwd(p);
   if (!s.ok())
     throw EngineError(std::string("attention backward (backend ") + backend_name(backend) + "): " + s.message());

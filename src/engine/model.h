@@ -110,6 +110,8 @@ class Model {
   void block_inputs(LayerActs& a, const BlockOffsets& o, int64_t N);
   void block_output(LayerActs& a, const BlockOffsets& o, int64_t N, std::vector<T>& x);
   void head_fwd(const T* x, std::vector<T>& ln, std::vector<T>& rstd, std::vector<T>& logits, int64_t N);
+  // The attention call's inputs and outputs (q, k, v, w, beta, g, o, lse of `a`) and execution settings.
+  PathFwdParams attention_params(LayerActs& a, int64_t B, int64_t T_);
   // path_attn_fwd over [B, T_] rows, or path_attn_prefill into `cache` when given (B = 1).
   void attention_fwd(LayerActs& a, int64_t B, int64_t T_, LayerCache* cache = nullptr);
   void attention_decode(LayerActs& a, LayerCache& c);
