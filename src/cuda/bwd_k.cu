@@ -24,8 +24,8 @@ template <int K, int V>
 struct BwdKSmem {
   static constexpr int LK = K + 8, LV = V + 8;
   // Ss, Qs, Ws, W2s [64][LK] (2-byte; Ws and W2s together hold a K x K superblock product); dOs, Vs
-  // [64][LV]; 4 x 64 f32.
-  static constexpr size_t bytes = size_t(kChunk) * (4 * LK + 2 * LV) * 2 + 4 * kChunk * 4;
+  // [64][LV]; 3 x 64 f32.
+  static constexpr size_t bytes = size_t(kChunk) * (4 * LK + 2 * LV) * 2 + 3 * kChunk * 4;
 };
 
 template <typename T, int K, int V>
@@ -34,7 +34,7 @@ struct BwdK {
   static constexpr int LK = S::LK, LV = S::LV;
   __half *Ws, *W2s;
   T *Ss, *Qs, *dOs, *Vs;
-  float *Gk, *Gq, *lse2, *del;
+  float *Gk, *lse2, *del;
 
   __device__ void carve(uint8_t* smem) {
     Ss = reinterpret_cast<T*>(smem);
@@ -44,8 +44,7 @@ struct BwdK {
     dOs = reinterpret_cast<T*>(W2s + kChunk * LK);
     Vs = dOs + kChunk * LV;
     Gk = reinterpret_cast<float*>(Vs + kChunk * LV);
-    Gq = Gk + kChunk;
-    lse2 = Gq + kChunk;
+    lse2 = Gk + kChunk;
     del = lse2 + kChunk;
   }
 
@@ -144,46 +143,55 @@ struct BwdK {
           *reinterpret_cast<float2*>(dst + rr[hr] * ld + 8 * nt + 2 * t4) = make_float2(x[nt][2 * hr], x[nt][2 * hr + 1]);
       }
     };
-    // One query chunk qc (all query heads of the group) against the key tile Kop; queries from qhat (far)
-    // or q~ (own superblock).
-    auto query_chunk = [&](int qc, const T* Kop, bool from_qhat) {
+    // Stages query chunk qc of head hq: dO and the queries (cp.async, not committed) and the per-query scalars.
+    auto stage_queries = [&](int qc, int hq, bool from_qhat) {
       const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
       const int nqv = min(kChunk, ch.len - qc * kChunk);
+      load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
+      if (from_qhat) {
+        load_tile_async<K>(Qs, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
+      } else {
+        for (int idx = threadIdx.x; idx < kChunk * (K / 2); idx += blockDim.x) {
+          const int r = idx / (K / 2), d = 2 * (idx % (K / 2));
+          float2 v2 = r < nqv ? *reinterpret_cast<const float2*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
+                              : make_float2(0.f, 0.f);
+          *reinterpret_cast<uint32_t*>(Qs + r * LK + d) = Pack2<T>::pack(v2.x, v2.y);
+        }
+      }
+      for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
+        const bool ok = r < nqv;
+        // Query bias of the exponent, lse - G_q (base 2); +inf past the sequence: P = 2^-inf = 0 there.
+        const float gq_r = (p.gate && ok) ? p.G[(tok + r) * p.HQ + hq] * gl2 : 0.f;
+        lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + (pos + r) * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E - gq_r : INFINITY;
+        del[r] = ok ? p.delta[(tok + r) * p.HQ + hq] : 0.f;
+        Gk[r] = (p.gate && r < nk) ? p.G[(tokk0 + r) * p.HQ + hq] * gl2 : 0.f;
+      }
+    };
+    // Query chunk qc (every query head of the group) against the key tile Kop; queries from qhat (far) or q~
+    // (own superblock). staged: the caller staged the group's first head with its own loads and waited.
+    auto query_chunk = [&](int qc, const T* Kop, bool from_qhat, bool staged) {
       for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-        __syncthreads();
-        load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
-        if (from_qhat) {
-          load_tile_async<K>(Qs, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
-        } else {
-          for (int idx = threadIdx.x; idx < kChunk * (K / 2); idx += blockDim.x) {
-            const int r = idx / (K / 2), d = 2 * (idx % (K / 2));
-            float2 v2 = r < nqv ? *reinterpret_cast<const float2*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
-                                : make_float2(0.f, 0.f);
-            *reinterpret_cast<uint32_t*>(Qs + r * LK + d) = Pack2<T>::pack(v2.x, v2.y);
-          }
+        if (!staged || hq > h * p.group) {
+          __syncthreads();
+          stage_queries(qc, hq, from_qhat);
+          cp_async_commit();
+          cp_async_wait_all();
+          __syncthreads();
         }
-        cp_async_commit();
-        for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
-          const bool ok = r < nqv;
-          lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + (pos + r) * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : 0.f;
-          del[r] = ok ? p.delta[(tok + r) * p.HQ + hq] : 0.f;
-          Gq[r] = (p.gate && ok) ? p.G[(tok + r) * p.HQ + hq] * gl2 : 0.f;
-          Gk[r] = (p.gate && r < nk) ? p.G[(tokk0 + r) * p.HQ + hq] * gl2 : 0.f;
-        }
-        cp_async_wait_all();
-        __syncthreads();
         float st[1][8][4], dpt[1][8][4];
         zero_acc(st);
         zero_acc(dpt);
         warp_mma_ss<T, 1, 8, false, false>(st, Kop, LK, 16 * warp, Qs, LK, 0, K);
         warp_mma_ss<T, 1, 8, false, false>(dpt, Vs, LV, 16 * warp, dOs, LV, 0, V);
         float csum[2] = {0.f, 0.f};
+        const float gk[2] = {Gk[rr[0]], Gk[rr[1]]};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int j = rr[e >> 1], i = 8 * nt + 2 * t4 + (e & 1);
-            const float pt = i < nqv ? exp2f(st[0][nt][e] * sl2 + Gq[i] - Gk[j] - lse2[i]) : 0.f;
+            const int i = 8 * nt + 2 * t4 + (e & 1);
+            // Queries past the sequence: lse2 = inf, pt = 0.
+            const float pt = fast_exp2(st[0][nt][e] * sl2 - (gk[e >> 1] + lse2[i]));
             const float ds = pt * (dpt[0][nt][e] - del[i]);
             st[0][nt][e] = pt;
             dpt[0][nt][e] = ds;
@@ -219,6 +227,8 @@ struct BwdK {
         __syncthreads();
         load_tile_async<K>(Ss, scratch + size_t(kSuperChunks + a) * kChunk * K, K, kChunk);
         if (a < last_sb) load_ps(a);
+        const int qend = min(last, a * kSuperChunks + kSuperChunks - 1);
+        stage_queries(qend, h * p.group, true);  // with the superblock's loads: one wait
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
@@ -231,8 +241,7 @@ struct BwdK {
 #pragma unroll
             for (int e = 0; e < 4; ++e) hk[nt][e] = ga[nt][e];
         }
-        const int qend = min(last, a * kSuperChunks + kSuperChunks - 1);
-        for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Ss, true);
+        for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Ss, true, qc == qend);
       }
       // h is now the gradient w.r.t. the key moved to its superblock's end, from the far queries.
       store_rows(p.dks + (tokk0 * p.H + h) * K, hk);
@@ -245,11 +254,12 @@ struct BwdK {
         load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
         load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
       }
+      stage_queries(qc, h * p.group, false);  // with the chunk's loads: one wait
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();
       if (qc < last) chain_chunk();  // h <- h P_qc = h - (h W^T) W2 (own rows)
-      query_chunk(qc, Ss, false);
+      query_chunk(qc, Ss, false, true);
     }
     // ---- outputs: dk~ = h_{kc+1}, dv (off-diagonal part, summed over the group).
     store_rows(p.dkt + (tokk0 * p.H + h) * K, hk);

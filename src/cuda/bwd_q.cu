@@ -28,7 +28,7 @@ struct BwdQSmem {
   static constexpr int LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
   // Qh [64][LK] (fp16, converted in place to the input type for the scores); the key / value region, Ks
   // [64][LK] and Vs [64][LV], or gb [64][LG] f32; Ws, W2s [64][LK] fp16 (a K x K superblock product; the
-  // diagonal's dXs [64][LX] f32); dOs [64][LV]; 5 x 64 f32.
+  // diagonal's dXs [64][LX] f32; for V <= K, far key chunks' second Ks / Vs buffer); dOs [64][LV]; 5 x 64 f32.
   static constexpr size_t kv_bytes = size_t(kChunk) * (LK + LV) * 2, gb_bytes = size_t(kChunk) * LG * 4;
   static constexpr size_t region = kv_bytes > gb_bytes ? kv_bytes : gb_bytes;
   static constexpr size_t bytes = size_t(kChunk) * (3 * LK + LV) * 2 + region + 5 * kChunk * 4;
@@ -41,7 +41,7 @@ struct BwdQ {
   static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
   __half *Qh, *Ws, *W2s;
   T *Ks, *Vs, *dOs;
-  float *gb, *dXs, *Gk, *Gq, *lse2, *del, *dga;
+  float *gb, *dXs, *Gk, *Gk2, *lse2, *del, *dga;
 
   __device__ void carve(uint8_t* smem) {
     Qh = reinterpret_cast<__half*>(smem);
@@ -54,8 +54,8 @@ struct BwdQ {
     dXs = reinterpret_cast<float*>(Ws);
     dOs = reinterpret_cast<T*>(W2s + kChunk * LK);
     Gk = reinterpret_cast<float*>(dOs + kChunk * LV);
-    Gq = Gk + kChunk;
-    lse2 = Gq + kChunk;
+    Gk2 = Gk + kChunk;
+    lse2 = Gk2 + kChunk;
     del = lse2 + kChunk;
     dga = del + kChunk;
   }
@@ -146,10 +146,11 @@ struct BwdQ {
     for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
       const bool ok = r < nq;
       const int64_t pos = posq0 + r;
-      lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : 0.f;
+      // Row bias of the exponent, lse - G_q (base 2); +inf past the sequence: P = 2^-inf = 0 there.
+      const float gq_r = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
+      lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E - gq_r : INFINITY;
       del[r] = ok ? p.delta[(tokq0 + r) * p.HQ + hq] : 0.f;
-      Gq[r] = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
-      Gk[r] = (p.gate && ok) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
+      Gk[r] = gq_r;
     }
     cp_async_wait_all();
     __syncthreads();
@@ -163,7 +164,7 @@ struct BwdQ {
           const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
           float v = 0.f;
           if (r < nq && c <= r)
-            v = exp2f(p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] * sl2 + Gq[r] - Gk[c] - lse2[r]);
+            v = fast_exp2(p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] * sl2 - Gk[c] - lse2[r]);
           pr[nt][e] = v;
         }
       zero_acc(dp);
@@ -262,30 +263,36 @@ struct BwdQ {
       }
       return reinterpret_cast<const T*>(Qh);
     };
-    // One key chunk against the query tile Qop: ds = P * (dP - delta), gate row sums.
-    auto scores = [&](const T* Qop, float (&ds)[8][4]) {
+    // One key chunk (tiles Kb, Vb, gate column terms Gb) against the query tile Qop: ds = P * (dP - delta),
+    // gate row sums.
+    auto scores = [&](const T* Qop, const T* Kb, const T* Vb, const float* Gb, float (&ds)[8][4]) {
       float s[1][8][4], dp[1][8][4];
       zero_acc(s);
       zero_acc(dp);
-      warp_mma_ss<T, 1, 8, false, false>(s, Qop, LK, 16 * warp, Ks, LK, 0, K);
-      warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vs, LV, 0, V);
+      warp_mma_ss<T, 1, 8, false, false>(s, Qop, LK, 16 * warp, Kb, LK, 0, K);
+      warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vb, LV, 0, V);
+      const float rb[2] = {lse2[rr[0]], lse2[rr[1]]}, dl[2] = {del[rr[0]], del[rr[1]]};
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
-          const float pr = r < nq ? exp2f(s[0][nt][e] * sl2 + Gq[r] - Gk[c] - lse2[r]) : 0.f;
-          ds[nt][e] = pr * (dp[0][nt][e] - del[r]);
+          const int c = 8 * nt + 2 * t4 + (e & 1);
+          const float x = s[0][nt][e] * sl2 - rb[e >> 1];
+          const float pr = fast_exp2(p.gate ? x - Gb[c] : x);  // rows past the sequence: rb = inf, pr = 0
+          ds[nt][e] = pr * (dp[0][nt][e] - dl[e >> 1]);
           rs[e >> 1] += ds[nt][e];
         }
     };
     // gbar += scale dS keys (own rows).
-    auto add_local = [&](const float (&ds)[8][4]) { warp_mma_rs<T, 4, K / 8, true>(gq, ds, p.scale, Ks, LK, 0); };
-    auto load_keys = [&](const T* keys, int kc) {
+    auto add_local = [&](const float (&ds)[8][4], const T* Kb) {
+      warp_mma_rs<T, 4, K / 8, true>(gq, ds, p.scale, Kb, LK, 0);
+    };
+    // Key chunk kc's tiles (cp.async, not committed) and gate column terms into Kb, Vb, Gb.
+    auto load_keys = [&](const T* keys, int kc, T* Kb, T* Vb, float* Gb) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk, pos = ch.t0 + int64_t(kc) * kChunk;
-      load_tile_async<K>(Ks, keys + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-      load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
-      for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gk[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
+      load_tile_async<K>(Kb, keys + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      load_tile_async<V>(Vb, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
+      for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gb[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
     };
     if (first > 0) {
       const T* ksp = static_cast<const T*>(p.ks);
@@ -314,15 +321,40 @@ struct BwdQ {
           __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
         }
         const T* Qop = score_operand();
-        for (int j = 0; j < kSuperChunks; ++j) {
+        if constexpr (V <= K) {
+          // Double-buffered: chunk j + 1 loads (into Ks / Vs or over Ws / W2s, free after the superblock
+          // step) while chunk j is scored.
+          T* const Kb[2] = {Ks, reinterpret_cast<T*>(Ws)};
+          T* const Vb[2] = {Vs, reinterpret_cast<T*>(W2s)};
+          float* const Gb[2] = {Gk, Gk2};
           __syncthreads();
-          load_keys(ksp, sb * kSuperChunks + j);
+          load_keys(ksp, sb * kSuperChunks, Kb[0], Vb[0], Gb[0]);
           cp_async_commit();
           cp_async_wait_all();
           __syncthreads();
-          float ds[8][4];
-          scores(Qop, ds);
-          add_local(ds);
+          for (int j = 0; j < kSuperChunks; ++j) {
+            const int cur = j & 1;
+            if (j + 1 < kSuperChunks) {
+              load_keys(ksp, sb * kSuperChunks + j + 1, Kb[cur ^ 1], Vb[cur ^ 1], Gb[cur ^ 1]);
+              cp_async_commit();
+            }
+            float ds[8][4];
+            scores(Qop, Kb[cur], Vb[cur], Gb[cur], ds);
+            add_local(ds, Kb[cur]);
+            cp_async_wait_all();
+            __syncthreads();
+          }
+        } else {
+          for (int j = 0; j < kSuperChunks; ++j) {
+            __syncthreads();
+            load_keys(ksp, sb * kSuperChunks + j, Ks, Vs, Gk);
+            cp_async_commit();
+            cp_async_wait_all();
+            __syncthreads();
+            float ds[8][4];
+            scores(Qop, Ks, Vs, Gk, ds);
+            add_local(ds, Ks);
+          }
         }
       }
     }
@@ -341,13 +373,13 @@ struct BwdQ {
       // Across chunk kc: dP_kc += qt_kc^T gbar (before gbar's step below).
       if (kc > 0) add_outer(dPbase + int64_t(kc) * p.H * K * K);
       __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
-      load_keys(ktp, kc);
+      load_keys(ktp, kc, Ks, Vs, Gk);
       cp_async_commit();
       const T* Qop = score_operand();
       cp_async_wait_all();
       __syncthreads();
       float ds[8][4];
-      scores(Qop, ds);
+      scores(Qop, Ks, Vs, Gk, ds);
       if (kc > 0) {
         // gbar <- gbar P_kc^T = gbar - (gbar W2^T) W.
         float x[8][4];
@@ -359,7 +391,7 @@ struct BwdQ {
           for (int e = 0; e < 4; ++e) x[nt][e] = -x[nt][e];
         warp_mma_rr_tf32<8, K / 8, true>(gq, x, Ws, LK, 0);
       }
-      add_local(ds);
+      add_local(ds, Ks);
     }
     // ---- outputs: dq~ = gbar, gate row terms (dga rows were written by other warps).
     __syncthreads();

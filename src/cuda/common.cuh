@@ -31,6 +31,15 @@ template <> struct Pack2<__nv_bfloat16> {
 template <typename T> struct IsHalf { static constexpr bool value = false; };
 template <> struct IsHalf<__half> { static constexpr bool value = true; };
 
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; subnormal results flush to zero and
+// 2^-inf = 0), without the subnormal-range fix-up exp2f adds around the same instruction. It feeds softmax
+// probabilities, where a result below 2^-126 is as good as 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -33,13 +33,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], fl
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float mn = fmaxf(m[hr], mx);
-    alpha[hr] = exp2f(m[hr] - mn);
+    alpha[hr] = fast_exp2(m[hr] - mn);
     m[hr] = mn;
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      s[nt][2 * hr] = exp2f(s[nt][2 * hr] - mn);
-      s[nt][2 * hr + 1] = exp2f(s[nt][2 * hr + 1] - mn);
+      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - mn);
+      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - mn);
       sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
     }
     l[hr] = l[hr] * alpha[hr] + sum;

@@ -30,7 +30,7 @@ struct PrepSmem {
 };
 
 template <typename T, int K>
-__global__ void __launch_bounds__(kPrepThreads) chunk_prep_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kernel(KernelParams p) {
   using S = PrepSmem<K>;
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   extern __shared__ float sm[];
