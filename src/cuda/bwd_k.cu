@@ -23,9 +23,10 @@ constexpr int kBwdThreads = 128;  // 4 warps x 16 key rows
 template <int K, int V>
 struct BwdKSmem {
   static constexpr int LK = K + 8, LV = V + 8;
-  // Ss, Qs, Ws, W2s [64][LK] (2-byte; Ws and W2s together hold a K x K superblock product); dOs, Vs
-  // [64][LV]; 3 x 64 f32.
-  static constexpr size_t bytes = size_t(kChunk) * (4 * LK + 2 * LV) * 2 + 3 * kChunk * 4;
+  // Ss, Qs, Ws, W2s [64][LK] (2-byte; Ws and W2s together hold a K x K superblock product, or the far
+  // pipeline's second query and dO tiles); dOs, Vs
+  // [64][LV]; 6 x 64 f32 (two stages of the per-query scalars).
+  static constexpr size_t bytes = size_t(kChunk) * (4 * LK + 2 * LV) * 2 + 6 * kChunk * 4;
 };
 
 template <typename T, int K, int V>
@@ -34,7 +35,7 @@ struct BwdK {
   static constexpr int LK = S::LK, LV = S::LV;
   __half *Ws, *W2s;
   T *Ss, *Qs, *dOs, *Vs;
-  float *Gk, *lse2, *del;
+  float *Gk, *lse2, *del;  // stage 0; stage 1's three arrays follow del
 
   __device__ void carve(uint8_t* smem) {
     Ss = reinterpret_cast<T*>(smem);
@@ -143,71 +144,124 @@ struct BwdK {
           *reinterpret_cast<float2*>(dst + rr[hr] * ld + 8 * nt + 2 * t4) = make_float2(x[nt][2 * hr], x[nt][2 * hr + 1]);
       }
     };
-    // Stages query chunk qc of head hq: dO and the queries (cp.async, not committed) and the per-query scalars.
-    auto stage_queries = [&](int qc, int hq, bool from_qhat) {
-      const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
-      const int nqv = min(kChunk, ch.len - qc * kChunk);
-      load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
-      if (from_qhat) {
-        load_tile_async<K>(Qs, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
-      } else {
-        for (int idx = threadIdx.x; idx < kChunk * (K / 2); idx += blockDim.x) {
-          const int r = idx / (K / 2), d = 2 * (idx % (K / 2));
-          float2 v2 = r < nqv ? *reinterpret_cast<const float2*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
-                              : make_float2(0.f, 0.f);
-          *reinterpret_cast<uint32_t*>(Qs + r * LK + d) = Pack2<T>::pack(v2.x, v2.y);
-        }
-      }
-      for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
-        const bool ok = r < nqv;
-        // Query bias of the exponent, lse - G_q (base 2); +inf past the sequence: P = 2^-inf = 0 there.
+    // Staging buffers of one query head's chunk: queries, dO, and per query row the exponent's bias
+    // lse - G_q (base 2; +inf past the sequence, so P = 2^-inf = 0 there) and delta, with the head's key gate
+    // terms. Buffer 1 lies over Ws / W2s: the second stage of the far superblocks' pipeline (V <= K only, so
+    // that dO fits a [64][K + 8] tile).
+    struct QBuf {
+      T *q, *dout;
+      float *bias, *dlt, *gk;
+    };
+    // Stage st's buffer (carve: Ws = Qs + 64 LK, W2s = dOs - 64 LK; the second scalars 3 x 64 floats on).
+    auto qbuf = [&](int st) {
+      return QBuf{Qs + st * kChunk * LK, dOs - st * kChunk * LK, lse2 + 3 * st * kChunk, del + 3 * st * kChunk,
+                  Gk + 3 * st * kChunk};
+    };
+    const QBuf qb0 = qbuf(0);
+    struct RowScalars {
+      float bias, dlt, gk;
+    };
+    // Query row threadIdx.x (< 64) of chunk qc, head hq: its scalars, in registers.
+    auto fetch_scalars = [&](int qc, int hq) {
+      RowScalars sc{INFINITY, 0.f, 0.f};
+      const int r = threadIdx.x;
+      if (r < kChunk) {
+        const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
+        const bool ok = r < min(kChunk, ch.len - qc * kChunk);
         const float gq_r = (p.gate && ok) ? p.G[(tok + r) * p.HQ + hq] * gl2 : 0.f;
-        lse2[r] = ok ? p.lse[ch.b * p.lse_s[0] + (pos + r) * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E - gq_r : INFINITY;
-        del[r] = ok ? p.delta[(tok + r) * p.HQ + hq] : 0.f;
-        Gk[r] = (p.gate && r < nk) ? p.G[(tokk0 + r) * p.HQ + hq] * gl2 : 0.f;
+        if (ok) sc.bias = p.lse[ch.b * p.lse_s[0] + (pos + r) * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E - gq_r;
+        sc.dlt = ok ? p.delta[(tok + r) * p.HQ + hq] : 0.f;
+        sc.gk = (p.gate && r < nk) ? p.G[(tokk0 + r) * p.HQ + hq] * gl2 : 0.f;
+      }
+      return sc;
+    };
+    auto put_scalars = [&](const RowScalars& sc, QBuf b) {
+      if (threadIdx.x < kChunk) {
+        b.bias[threadIdx.x] = sc.bias;
+        b.dlt[threadIdx.x] = sc.dlt;
+        b.gk[threadIdx.x] = sc.gk;
       }
     };
-    // Query chunk qc (every query head of the group) against the key tile Kop; queries from qhat (far) or q~
-    // (own superblock). staged: the caller staged the group's first head with its own loads and waited.
+    // The tiles of query chunk qc, head hq, into b: dO and qhat by cp.async (not committed); q~ (from the fp32
+    // qtl) converted on the way.
+    auto stage_tiles = [&](int qc, int hq, bool from_qhat, QBuf b) {
+      const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
+      const int nqv = min(kChunk, ch.len - qc * kChunk);
+      load_tile_async<V>(b.dout, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
+      if (from_qhat) {
+        load_tile_async<K>(b.q, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
+      } else {
+        // float4 groups, four per thread loaded before they are stored (h and dv hold most registers here).
+        constexpr int kGroups = kChunk * (K / 4) / kBwdThreads, kPer = 4;
+        for (int i0 = 0; i0 < kGroups; i0 += kPer) {
+          float4 v4[kPer];
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int idx = threadIdx.x + (i0 + i) * kBwdThreads, r = idx / (K / 4), d = 4 * (idx % (K / 4));
+            v4[i] = r < nqv ? *reinterpret_cast<const float4*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int idx = threadIdx.x + (i0 + i) * kBwdThreads, r = idx / (K / 4), d = 4 * (idx % (K / 4));
+            *reinterpret_cast<uint2*>(b.q + r * LK + d) =
+                make_uint2(Pack2<T>::pack(v4[i].x, v4[i].y), Pack2<T>::pack(v4[i].z, v4[i].w));
+          }
+        }
+      }
+    };
+    auto stage_queries = [&](int qc, int hq, bool from_qhat, QBuf b) {
+      stage_tiles(qc, hq, from_qhat, b);
+      put_scalars(fetch_scalars(qc, hq), b);
+    };
+    // Query head hq of a staged chunk (buffer b) against the key tile Kop: dv += P^T dO, h += scale dS^T q,
+    // the gate's column terms.
+    auto score_head = [&](const T* Kop, QBuf b, int hq) {
+      float st[1][8][4], dpt[1][8][4];
+      zero_acc(st);
+      zero_acc(dpt);
+      warp_mma_ss<T, 1, 8, false, false>(st, Kop, LK, 16 * warp, b.q, LK, 0, K);
+      warp_mma_ss<T, 1, 8, false, false>(dpt, Vs, LV, 16 * warp, b.dout, LV, 0, V);
+      float csum[2] = {0.f, 0.f};
+      const float gk[2] = {b.gk[rr[0]], b.gk[rr[1]]};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int i = 8 * nt + 2 * t4;
+        const float2 qbias = *reinterpret_cast<const float2*>(b.bias + i);
+        const float2 qdel = *reinterpret_cast<const float2*>(b.dlt + i);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pt = fast_exp2(st[0][nt][e] * sl2 - (gk[e >> 1] + ((e & 1) ? qbias.y : qbias.x)));
+          const float ds = pt * (dpt[0][nt][e] - ((e & 1) ? qdel.y : qdel.x));
+          st[0][nt][e] = pt;
+          dpt[0][nt][e] = ds;
+          csum[e >> 1] += ds;
+        }
+      }
+      warp_mma_rs<T, 4, V / 8, true>(dv, st[0], 1.f, b.dout, LV, 0);
+      warp_mma_rs<T, 4, K / 8, true>(hk, dpt[0], p.scale, b.q, LK, 0);
+      if (p.gate) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float a = csum[hr];
+          a += __shfl_xor_sync(0xffffffffu, a, 1);
+          a += __shfl_xor_sync(0xffffffffu, a, 2);
+          if (t4 == 0 && rr[hr] < nk) p.dgcol[(tokk0 + rr[hr]) * p.HQ + hq] -= gs * a;
+        }
+      }
+    };
+    // Query chunk qc (every query head of the group) against the key tile Kop through buffer 0; queries from
+    // qhat (far) or q~ (own superblock). staged: the caller staged the group's first head and waited.
     auto query_chunk = [&](int qc, const T* Kop, bool from_qhat, bool staged) {
       for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
         if (!staged || hq > h * p.group) {
           __syncthreads();
-          stage_queries(qc, hq, from_qhat);
+          stage_queries(qc, hq, from_qhat, qb0);
           cp_async_commit();
           cp_async_wait_all();
           __syncthreads();
         }
-        float st[1][8][4], dpt[1][8][4];
-        zero_acc(st);
-        zero_acc(dpt);
-        warp_mma_ss<T, 1, 8, false, false>(st, Kop, LK, 16 * warp, Qs, LK, 0, K);
-        warp_mma_ss<T, 1, 8, false, false>(dpt, Vs, LV, 16 * warp, dOs, LV, 0, V);
-        float csum[2] = {0.f, 0.f};
-        const float gk[2] = {Gk[rr[0]], Gk[rr[1]]};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 8 * nt + 2 * t4 + (e & 1);
-            // Queries past the sequence: lse2 = inf, pt = 0.
-            const float pt = fast_exp2(st[0][nt][e] * sl2 - (gk[e >> 1] + lse2[i]));
-            const float ds = pt * (dpt[0][nt][e] - del[i]);
-            st[0][nt][e] = pt;
-            dpt[0][nt][e] = ds;
-            csum[e >> 1] += ds;
-          }
-        warp_mma_rs<T, 4, V / 8, true>(dv, st[0], 1.f, dOs, LV, 0);
-        warp_mma_rs<T, 4, K / 8, true>(hk, dpt[0], p.scale, Qs, LK, 0);
-        if (p.gate) {
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            float a = csum[hr];
-            a += __shfl_xor_sync(0xffffffffu, a, 1);
-            a += __shfl_xor_sync(0xffffffffu, a, 2);
-            if (t4 == 0 && rr[hr] < nk) p.dgcol[(tokk0 + rr[hr]) * p.HQ + hq] -= gs * a;
-          }
-        }
+        score_head(Kop, qb0, hq);
       }
     };
     // h (own rows) <- h P_qc = h - (h W^T) W2 (one chunk; tf32, h from registers).
@@ -228,7 +282,7 @@ struct BwdK {
         load_tile_async<K>(Ss, scratch + size_t(kSuperChunks + a) * kChunk * K, K, kChunk);
         if (a < last_sb) load_ps(a);
         const int qend = min(last, a * kSuperChunks + kSuperChunks - 1);
-        stage_queries(qend, h * p.group, true);  // with the superblock's loads: one wait
+        stage_queries(qend, h * p.group, true, qb0);  // with the superblock's loads: one wait
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
@@ -241,7 +295,28 @@ struct BwdK {
 #pragma unroll
             for (int e = 0; e < 4; ++e) hk[nt][e] = ga[nt][e];
         }
-        for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Ss, true, qc == qend);
+        if constexpr (V <= K) {
+          // Pipelined: item n = (chunk qend - n / group, head n % group) is scored from buffer n & 1 while
+          // item n + 1 loads into the other (its scalars fetched into registers, stored after the scoring).
+          __syncthreads();  // every warp is done with PS_a (buffer 1's tiles)
+          const int nit = (qend - a * kSuperChunks + 1) * p.group;
+          for (int n = 0; n < nit; ++n) {
+            const QBuf cur = qbuf(n & 1), nxt = qbuf((n & 1) ^ 1);
+            RowScalars sc{};
+            if (n + 1 < nit) {
+              const int qn = qend - (n + 1) / p.group, hn = h * p.group + (n + 1) % p.group;
+              stage_tiles(qn, hn, true, nxt);
+              cp_async_commit();
+              sc = fetch_scalars(qn, hn);
+            }
+            score_head(Ss, cur, h * p.group + n % p.group);
+            if (n + 1 < nit) put_scalars(sc, nxt);
+            cp_async_wait_all();
+            __syncthreads();
+          }
+        } else {
+          for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Ss, true, qc == qend);
+        }
       }
       // h is now the gradient w.r.t. the key moved to its superblock's end, from the far queries.
       store_rows(p.dks + (tokk0 * p.H + h) * K, hk);
@@ -254,7 +329,7 @@ struct BwdK {
         load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
         load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
       }
-      stage_queries(qc, h * p.group, false);  // with the chunk's loads: one wait
+      stage_queries(qc, h * p.group, false, qb0);  // with the chunk's loads: one wait
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();

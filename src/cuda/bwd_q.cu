@@ -255,10 +255,16 @@ struct BwdQ {
     // elements). Callers sync before (the outer product has read Qh) and after (before the scores).
     auto score_operand = [&]() -> const T* {
       if constexpr (!IsHalf<T>::value) {
-        for (int idx = threadIdx.x; idx < kChunk * K; idx += blockDim.x) {
-          const int r = idx / K, d = idx % K;
-          const float v = __half2float(Qh[r * LK + d]);
-          reinterpret_cast<T*>(Qh)[r * LK + d] = from_f<T>(v);
+        for (int idx = threadIdx.x; idx < kChunk * (K / 8); idx += blockDim.x) {  // 8 elements (16 bytes) a step
+          const int r = idx / (K / 8), d = 8 * (idx % (K / 8));
+          uint4 u = *reinterpret_cast<const uint4*>(Qh + r * LK + d);
+          uint32_t* w = reinterpret_cast<uint32_t*>(&u);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+            w[i] = Pack2<T>::pack(f.x, f.y);
+          }
+          *reinterpret_cast<uint4*>(Qh + r * LK + d) = u;
         }
       }
       return reinterpret_cast<const T*>(Qh);
