@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   const int nq = min(kChunk, ch.len - ch.c * kChunk);
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk, tok0 = ch.b * p.T + pos0;
   const T* qp = static_cast<const T*>(p.q);
+  const bool qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
 
   typename TK::Acc dWa, dKa, dW2a;
   TK::zero(dWa);
@@ -86,12 +87,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                              [&](int t, int c) { return Zs[t * LC + c]; },
                                              [&](int r, int c, float v) { Us[r * LC + c] = v; });
   // dk~ of the chunk (rows past the end: unwritten there, zero here) staged over Xs / dXs.
-  {
-    const float* dkt = p.dkt + (tok0 * p.H + h) * K;
-    const int64_t ld = int64_t(p.H) * K;
-    stage_tile<K>([&](int j, int a) { return j < nq ? dkt[j * ld + a] : 0.f; },
-                  [&](int j, int a, float v) { Big[j * LW + a] = v; });
-  }
+  stage_tile4<K>(TileSrc<K, float>{p.dkt, 0, int64_t(p.H) * K, K, true}, 0, h, Big, LW, tok0, nq);
   __syncthreads();
   PA_PROBE(5);
 
@@ -114,8 +110,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
-    stage_tile<K>([&](int r, int d) { return r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f); },
-                  [&](int r, int d, T v) { Qs[r * LT + d] = v; });
+    stage_tile4<K>(TileSrc<K, T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
     const int64_t dq_ld = int64_t(p.HQ) * K;
     auto dQt = [&](int r, int d) { return r < nq ? dq_t[r * dq_ld + d] : 0.f; };
@@ -154,26 +149,42 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(9);
 
-  // ---- dv = off-diagonal part + diagonal parts of every query head of the group.
-  // (Loads in batches of 8 per thread before their stores, so their latencies overlap: V <= 128.)
-  T* dvp = static_cast<T*>(p.dv);
-  for (int i0 = 0; i0 < kChunk * 128 / kThreads; i0 += 8) {
-    constexpr int kPer = 8;
-    float dvv[kPer];
+  // ---- dv = off-diagonal part + diagonal parts of every query head of the group, 4 elements a step (dvk and
+  // dvdiag are fp32 workspace rows, 16-byte aligned), every load of a thread before its stores.
+  {
+    T* dvp = static_cast<T*>(p.dv);
+    const bool dvvec = vec4_ok(dvp, p.dv_s[0], p.dv_s[1], p.dv_s[2]);
+    const int vq = p.V / 4;
+    constexpr int kG = kChunk * (128 / 4) / kThreads;  // covers V <= 128
+    float4 acc[kG];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int idx = tid + (i0 + i) * kThreads, j = idx / p.V, e = idx % p.V;
-      float v = 0.f;
-      if (idx < nq * p.V) {
-        v = p.dvk[((tok0 + j) * p.H + h) * p.V + e];
-        for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) v += p.dvdiag[((tok0 + j) * p.HQ + hq) * p.V + e];
+    for (int i = 0; i < kG; ++i) {
+      const int idx = tid + i * kThreads, j = idx / vq, e = 4 * (idx % vq);
+      acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (j < nq) {
+        acc[i] = *reinterpret_cast<const float4*>(p.dvk + ((tok0 + j) * p.H + h) * p.V + e);
+        for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
+          const float4 d = *reinterpret_cast<const float4*>(p.dvdiag + ((tok0 + j) * p.HQ + hq) * p.V + e);
+          acc[i].x += d.x;
+          acc[i].y += d.y;
+          acc[i].z += d.z;
+          acc[i].w += d.w;
+        }
       }
-      dvv[i] = v;
     }
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int idx = tid + (i0 + i) * kThreads, j = idx / p.V, e = idx % p.V;
-      if (idx < nq * p.V) dvp[ch.b * p.dv_s[0] + (pos0 + j) * p.dv_s[1] + h * p.dv_s[2] + e] = from_f<T>(dvv[i]);
+    for (int i = 0; i < kG; ++i) {
+      const int idx = tid + i * kThreads, j = idx / vq, e = 4 * (idx % vq);
+      if (j >= nq) continue;
+      T* dst = dvp + ch.b * p.dv_s[0] + (pos0 + j) * p.dv_s[1] + h * p.dv_s[2] + e;
+      if (dvvec) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(Pack2<T>::pack(acc[i].x, acc[i].y), Pack2<T>::pack(acc[i].z, acc[i].w));
+      } else {
+        dst[0] = from_f<T>(acc[i].x);
+        dst[1] = from_f<T>(acc[i].y);
+        dst[2] = from_f<T>(acc[i].z);
+        dst[3] = from_f<T>(acc[i].w);
+      }
     }
   }
 

@@ -19,6 +19,7 @@ namespace pathattn::cuda {
 namespace {
 
 constexpr int kBwdThreads = 128;  // 4 warps x 16 key rows
+static_assert(kBwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
 
 template <int K, int V>
 struct BwdKSmem {

@@ -266,15 +266,24 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <int N>
 __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Copies `rows` x D elements (2-byte type) of a row-strided global tile into shared memory [64][D + 8];
-// rows >= nvalid are zero-filled. `stride` is the global row stride in elements.
+// Copies 64 x D elements (2-byte type) of a row-strided global tile into shared memory [64][D + 8] with
+// 16-byte cp.async (not committed); rows >= nvalid are zero-filled. `stride` is the global row stride in
+// elements. For the 128-thread scan kernels: each thread keeps one 16-byte column and steps 128 / (D / 8)
+// rows at a time, so the addresses are a few adds (no divisions or 64-bit multiplies per element).
+inline constexpr int kTileThreads = 128;
 template <int D, typename E>
 __device__ __forceinline__ void load_tile_async(E* dst, const E* src, int64_t stride, int nvalid) {
-  constexpr int kVec = 8, kPerRow = D / kVec;
-  for (int idx = threadIdx.x; idx < 64 * kPerRow; idx += blockDim.x) {
-    const int r = idx / kPerRow, c = (idx % kPerRow) * kVec;
-    const bool ok = r < nvalid;
-    cp_async16(dst + r * (D + 8) + c, src + (ok ? r * stride + c : 0), ok);
+  constexpr int kVec = 8, kPerRow = D / kVec, kRowStep = kTileThreads / kPerRow;
+  static_assert(kTileThreads % kPerRow == 0 && 64 % kRowStep == 0, "load_tile_async: tile shape");
+  const int r0 = threadIdx.x / kPerRow, c = (threadIdx.x % kPerRow) * kVec;
+  const E* s = src + r0 * stride + c;
+  E* d = dst + r0 * (D + 8) + c;
+  const int64_t sstep = kRowStep * stride;
+#pragma unroll
+  for (int i = 0; i < 64 / kRowStep; ++i) {
+    const bool ok = r0 + i * kRowStep < nvalid;
+    cp_async16(d + i * kRowStep * (D + 8), ok ? s : src, ok);
+    s += sstep;
   }
 }
 
@@ -393,43 +402,84 @@ __device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
   TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
 }
 
-// Copies a 64 x D tile into shared memory: x(r, d) returns an element (zero-filling rows itself), store(r, d,
-// value) places it. A block of kTcThreads threads issues all of its 64 D / kTcThreads loads before its first
-// store, so their latencies overlap (a strided loop waits for each load before the next).
-template <int D, class FX, class FS>
-__device__ __forceinline__ void stage_tile(FX x, FS store) {
-  static_assert(64 * D % kTcThreads == 0, "stage_tile: 64 D must be a multiple of the block size");
-  constexpr int kPer = 64 * D / kTcThreads;
-  decltype(x(0, 0)) v[kPer];
+// Four consecutive elements at p as floats: one 8-byte (16-bit types) or 16-byte (fp32) load when vec (p
+// aligned to that), else four scalar loads.
+__device__ __forceinline__ float4 load4(const float* p, bool vec) {
+  return vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
+}
+template <typename E>
+__device__ __forceinline__ float4 load4(const E* p, bool vec) {
+  if (vec) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const E* e = reinterpret_cast<const E*>(&u);
+    return make_float4(to_f(e[0]), to_f(e[1]), to_f(e[2]), to_f(e[3]));
+  }
+  return make_float4(to_f(p[0]), to_f(p[1]), to_f(p[2]), to_f(p[3]));
+}
+// Whether every 4-element group of rows base + i s0 + j s1 + k s2 (+ 4 m) is aligned for load4's vector load.
+template <typename E>
+__host__ __device__ __forceinline__ bool vec4_ok(const E* base, int64_t s0, int64_t s1, int64_t s2) {
+  constexpr int64_t kBytes = 4 * sizeof(E);
+  return reinterpret_cast<uintptr_t>(base) % kBytes == 0 && (s0 * int64_t(sizeof(E))) % kBytes == 0 &&
+         (s1 * int64_t(sizeof(E))) % kBytes == 0 && (s2 * int64_t(sizeof(E))) % kBytes == 0;
+}
+// 4 floats into shared memory: as 4 values of E (two packed 32-bit stores; dst 8-byte aligned) or fp32
+// (one 16-byte store; dst 16-byte aligned).
+template <typename E>
+__device__ __forceinline__ void store4(E* dst, float4 v) {
+  *reinterpret_cast<uint2*>(dst) = make_uint2(Pack2<E>::pack(v.x, v.y), Pack2<E>::pack(v.z, v.w));
+}
+__device__ __forceinline__ void store4(float* dst, float4 v) { *reinterpret_cast<float4*>(dst) = v; }
+
+// Stages 64 x D tiles of one or two row-strided global sources into shared memory, 4 elements per step, every
+// load of a thread issued before its first store (so their latencies overlap). Row r of source i starts at
+// src_i + off_i(r) (D contiguous elements); rows >= nvalid (and all of a null source) are zero; dst_i has
+// leading dim ld_i (a multiple of 4).
+template <int D, typename E>
+struct TileSrc {
+  const E* src;  // null: zeros
+  int64_t s0, s1, s2;  // the row's offset is i0 s0 + i1 s1 + i2 s2 (elements)
+  bool vec;
+};
+template <int D, typename E1, typename D1, typename E2, typename D2>
+__device__ __forceinline__ void stage_tiles4(const TileSrc<D, E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
+                                             const TileSrc<D, E2>& b, int64_t b0, int64_t b2, D2* db, int ldb,
+                                             int64_t row0, int nvalid) {
+  constexpr int kG = 64 * D / 4 / kTcThreads;
+  static_assert(kG >= 1 && (64 * D / 4) % kTcThreads == 0, "stage_tiles4: tile shape");
+  float4 va[kG], vb[kG];
+  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int idx = threadIdx.x + i * kTcThreads;
-    v[i] = x(idx / D, idx % D);
+  for (int i = 0; i < kG; ++i) {
+    const int idx = threadIdx.x + i * kTcThreads, r = idx / (D / 4), d = 4 * (idx % (D / 4));
+    const bool ok = r < nvalid;
+    va[i] = ok && a.src ? load4(a.src + a0 * a.s0 + (row0 + r) * a.s1 + a2 * a.s2 + d, a.vec) : z;
+    vb[i] = ok && b.src ? load4(b.src + b0 * b.s0 + (row0 + r) * b.s1 + b2 * b.s2 + d, b.vec) : z;
   }
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int idx = threadIdx.x + i * kTcThreads;
-    store(idx / D, idx % D, v[i]);
+  for (int i = 0; i < kG; ++i) {
+    const int idx = threadIdx.x + i * kTcThreads, r = idx / (D / 4), d = 4 * (idx % (D / 4));
+    store4(da + r * lda + d, va[i]);
+    if (db) store4(db + r * ldb + d, vb[i]);
   }
+}
+template <int D, typename E1, typename D1>
+__device__ __forceinline__ void stage_tile4(const TileSrc<D, E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
+                                            int64_t row0, int nvalid) {
+  stage_tiles4<D>(a, a0, a2, da, lda, TileSrc<D, float>{nullptr, 0, 0, 0, false}, 0, 0, static_cast<float*>(nullptr), 0,
+                  row0, nvalid);
 }
 
 // A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (fp32, into Wf, leading dim lw) of kv
-// head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero. The
-// (k, w) pairs go through stage_tile together, k through fp32 and back (exact).
+// head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero.
 template <int K, class P, typename T>
 __device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
                                                float* Wf, int lw) {
   const T* kp = static_cast<const T*>(p.k);
-  stage_tile<K>(
-      [&](int r, int d) {
-        const bool ok = r < nq;
-        return make_float2(ok ? to_f(kp[b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f,
-                           ok && p.path ? p.w[b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f);
-      },
-      [&](int r, int d, float2 v) {
-        Ks[r * lt + d] = from_f<T>(v.x);
-        Wf[r * lw + d] = v.y;
-      });
+  const TileSrc<K, T> ks{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
+  const TileSrc<K, float> ws{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
+                             vec4_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2])};
+  stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
 }
 
 // E = (I + A)^-1 for a 64 x 64 strictly lower A (ld lda), written to E (ld lde); every thread of a kTcThreads

@@ -15,6 +15,7 @@ namespace {
 // region of 2 x 64 rows (K + 8 halves each): the chunk's w16 and w2h, loaded while the chunk's scores run, or
 // a superblock product PS (K rows). About 103 KB at K = V = 128: two CTAs per SM.
 constexpr int kFwdThreads = 128;
+static_assert(kFwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
 
 template <typename T, int K, int V>
 struct FwdSmem {

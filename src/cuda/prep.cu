@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
   const int h = blockIdx.y, nq = chunk_rows(ch), tid = threadIdx.x;
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk, tok0 = ch.b * p.T + pos0;
   const T* qp = static_cast<const T*>(p.q);
+  const bool qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
 
   PA_PROBE(0);
   stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW);
@@ -93,8 +94,7 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();
     PA_PROBE(6);
-    stage_tile<K>([&](int r, int d) { return r < nq ? qp[ch.b * p.q_s[0] + (pos0 + r) * p.q_s[1] + hq * p.q_s[2] + d] : from_f<T>(0.f); },
-                  [&](int r, int d, T v) { Qs[r * LT + d] = v; });
+    stage_tile4<K>(TileSrc<K, T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
     __syncthreads();
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
