@@ -20,9 +20,10 @@ template <int K>
 struct BwdChunkSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
   // Wf, W2f [64][LW] f32; Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
-  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit.
+  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; dAs [64][LC] f32 (a query head's dA_loc).
   static constexpr size_t bytes =
-      sizeof(float) * (2 * size_t(kChunk) * LW + 6 * size_t(kChunk) * LC + 2 * kChunk) + 2 * 2 * size_t(kChunk) * LT;
+      sizeof(float) * (2 * size_t(kChunk) * LW + 6 * size_t(kChunk) * LC + 2 * kChunk) + 2 * 2 * size_t(kChunk) * LT +
+      sizeof(float) * size_t(kChunk) * LC;
   static_assert(2 * kChunk * LC >= kChunk * LW, "Xs + dXs must hold a [64][K + 4] matrix");
 };
 
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   float* dbs = bs + kChunk;
   T* Ks = reinterpret_cast<T*>(dbs + kChunk);
   T* Qs = Ks + kChunk * LT;
+  float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);
   float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
   const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
@@ -110,13 +112,14 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
+    // Q and dA_loc (rows past the end: zero).
     stage_tile4<K>(TileSrc<K, T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
+    stage_tile4<kChunk>(TileSrc<kChunk, float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC, tok0,
+                        nq);
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
     const int64_t dq_ld = int64_t(p.HQ) * K;
     auto dQt = [&](int r, int d) { return r < nq ? dq_t[r * dq_ld + d] : 0.f; };
-    const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
-    const int64_t dal_ld = int64_t(p.HQ) * kChunk;
-    auto dAl = [&](int r, int c) { return r < nq ? dal[r * dal_ld + c] : 0.f; };
+    auto dAl = [&](int r, int c) { return dAs[r * LC + c]; };
     auto q_rk = [&](int r, int d) { return to_f(Qs[r * LT + d]); };
     __syncthreads();
     PA_PROBE(7);
