@@ -331,23 +331,24 @@ struct BwdQ {
         if constexpr (V <= K) {
           // Double-buffered: chunk j + 1 loads (into Ks / Vs or over Ws / W2s, free after the superblock
           // step) while chunk j is scored.
-          T* const Kb[2] = {Ks, reinterpret_cast<T*>(Ws)};
-          T* const Vb[2] = {Vs, reinterpret_cast<T*>(W2s)};
-          float* const Gb[2] = {Gk, Gk2};
+          // Buffer st: Ks / Vs / Gk (0) or Ws / W2s / Gk2 (1), selected by value (no indexed local arrays).
+          auto kbuf = [&](int st) { return st ? reinterpret_cast<T*>(Ws) : Ks; };
+          auto vbuf = [&](int st) { return st ? reinterpret_cast<T*>(W2s) : Vs; };
+          auto gbuf = [&](int st) { return st ? Gk2 : Gk; };
           __syncthreads();
-          load_keys(ksp, sb * kSuperChunks, Kb[0], Vb[0], Gb[0]);
+          load_keys(ksp, sb * kSuperChunks, Ks, Vs, Gk);
           cp_async_commit();
           cp_async_wait_all();
           __syncthreads();
           for (int j = 0; j < kSuperChunks; ++j) {
             const int cur = j & 1;
             if (j + 1 < kSuperChunks) {
-              load_keys(ksp, sb * kSuperChunks + j + 1, Kb[cur ^ 1], Vb[cur ^ 1], Gb[cur ^ 1]);
+              load_keys(ksp, sb * kSuperChunks + j + 1, kbuf(cur ^ 1), vbuf(cur ^ 1), gbuf(cur ^ 1));
               cp_async_commit();
             }
             float ds[8][4];
-            scores(Qop, Kb[cur], Vb[cur], Gb[cur], ds);
-            add_local(ds, Kb[cur]);
+            scores(Qop, kbuf(cur), vbuf(cur), gbuf(cur), ds);
+            add_local(ds, kbuf(cur));
             cp_async_wait_all();
             __syncthreads();
           }
