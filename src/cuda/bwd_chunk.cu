@@ -16,20 +16,22 @@ namespace {
 
 constexpr int kThreads = kTcThreads;
 
-template <int K>
+// kStageDA: a query head's dA_loc is staged in shared memory (dAs) rather than read from global memory inside
+// the products; chosen at launch where the device allows the larger block (not on sm_80 at K = 64).
+template <int K, bool kStageDA>
 struct BwdChunkSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
   // Wf, W2f [64][LW] f32; Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
-  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; dAs [64][LC] f32 (a query head's dA_loc).
+  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; with kStageDA, dAs [64][LC] f32.
   static constexpr size_t bytes =
       sizeof(float) * (2 * size_t(kChunk) * LW + 6 * size_t(kChunk) * LC + 2 * kChunk) + 2 * 2 * size_t(kChunk) * LT +
-      sizeof(float) * size_t(kChunk) * LC;
+      (kStageDA ? sizeof(float) * size_t(kChunk) * LC : 0);
   static_assert(2 * kChunk * LC >= kChunk * LW, "Xs + dXs must hold a [64][K + 4] matrix");
 };
 
-template <typename T, int K>
+template <typename T, int K, bool kStageDA>
 __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
-  using S = BwdChunkSmem<K>;
+  using S = BwdChunkSmem<K, kStageDA>;
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   using TK = TcTile<kChunk, K>;
   extern __shared__ float sm[];
@@ -45,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   float* dbs = bs + kChunk;
   T* Ks = reinterpret_cast<T*>(dbs + kChunk);
   T* Qs = Ks + kChunk * LT;
-  float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);
+  float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);  // kStageDA only
   float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
   const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
@@ -112,14 +114,20 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
-    // Q and dA_loc (rows past the end: zero).
+    // Q and (kStageDA) dA_loc; rows past the end: zero.
     stage_tile4<K>(TileSrc<K, T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
-    stage_tile4<kChunk>(TileSrc<kChunk, float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC, tok0,
-                        nq);
+    if constexpr (kStageDA)
+      stage_tile4<kChunk>(TileSrc<kChunk, float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
+                          tok0, nq);
+    const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
+    const int64_t dal_ld = int64_t(p.HQ) * kChunk;
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
     const int64_t dq_ld = int64_t(p.HQ) * K;
     auto dQt = [&](int r, int d) { return r < nq ? dq_t[r * dq_ld + d] : 0.f; };
-    auto dAl = [&](int r, int c) { return dAs[r * LC + c]; };
+    auto dAl = [&](int r, int c) {
+      if constexpr (kStageDA) return dAs[r * LC + c];
+      else return r < nq ? dal[r * dal_ld + c] : 0.f;
+    };
     auto q_rk = [&](int r, int d) { return to_f(Qs[r * LT + d]); };
     __syncthreads();
     PA_PROBE(7);
@@ -272,12 +280,19 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
 
 template <typename T, int K>
 cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
-  return launch_with_smem(bwd_chunk_kernel<T, K>, dim3(p.nchunks, p.H), kThreads, BwdChunkSmem<K>::bytes, s, p);
+  int dev = 0, optin = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (BwdChunkSmem<K, true>::bytes <= size_t(optin))
+    return launch_with_smem(bwd_chunk_kernel<T, K, true>, dim3(p.nchunks, p.H), kThreads, BwdChunkSmem<K, true>::bytes, s, p);
+  return launch_with_smem(bwd_chunk_kernel<T, K, false>, dim3(p.nchunks, p.H), kThreads, BwdChunkSmem<K, false>::bytes, s, p);
 }
 
 }  // namespace
 
-size_t smem_bwd_chunk(int K) { return K == 64 ? BwdChunkSmem<64>::bytes : BwdChunkSmem<128>::bytes; }
+// The smaller of the two variants: what the device must allow at all.
+size_t smem_bwd_chunk(int K) { return K == 64 ? BwdChunkSmem<64, false>::bytes : BwdChunkSmem<128, false>::bytes; }
 
 PA_PROBE_TABLE(bwd_chunk)
 
