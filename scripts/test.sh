@@ -6,7 +6,10 @@
 #   3. AddressSanitizer + UndefinedBehaviorSanitizer build in build-asan/ (RelWithDebInfo) and the ctest
 #      suite except the long-running tests: those matching $asan_exclude below (their code paths are also
 #      covered by shorter tests) and any test labelled `slow` (set_tests_properties(... LABELS slow));
-#   4. scripts/test_python.sh, when it exists.
+#   4. scripts/test_python.sh, when it exists;
+#   5. where nvcc is found: the CUDA backend built for sm_90a and sm_80 in build-cuda/ (a compile check of
+#      every kernel) and its test binary run, which skips its tests without a GPU (scripts/gpu_suite.sh runs
+#      them, with the benchmark, on a GPU machine).
 # Needs the packages of scripts/install_deps.sh. PATHATTN_JOBS sets the parallelism (default: nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +66,13 @@ sanitizer_tests() {
     ctest --test-dir build-asan --output-on-failure -j "$jobs" -LE slow -E "$asan_exclude"
 }
 
+cuda_build() {
+  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF \
+    -DCMAKE_CUDA_COMPILER="$nvcc"
+  cmake --build build-cuda -j "$jobs" --target test_cuda pathattn_capi
+  ./build-cuda/tests/cuda/test_cuda --gtest_brief=1
+}
+
 stage "release build" release_build
 if [[ " ${failed[*]} " == *" release build "* ]]; then
   echo "=== release tests, find_package example: skipped (the build failed)"
@@ -74,6 +84,13 @@ fi
 stage "sanitizer build and tests" sanitizer_tests
 if [ -f scripts/test_python.sh ]; then
   stage "python tests" bash scripts/test_python.sh
+fi
+nvcc=$(command -v nvcc || true)
+[ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; } || true
+if [ -n "$nvcc" ]; then
+  stage "cuda build (sm_90a, sm_80) and GPU-test skip" cuda_build
+else
+  echo "=== cuda build: skipped (no nvcc)"
 fi
 
 echo "=== test.sh: $((SECONDS - t_start)) s"
