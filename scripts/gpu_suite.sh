@@ -3,8 +3,12 @@
 # a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
 # racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing bench/results/gpu_h200.md.
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
-# opcheck / torch.compile, prefill and decode on the GPU) when a pathattn wheel built with the CUDA backend
-# sits in .whl/ or WHEELS (installed with the fla wheels found there into a private target directory).
+# opcheck / torch.compile, prefill and decode on the GPU) with a pathattn wheel built with the CUDA backend for
+# this machine's Python: one found in .whl/ (or WHEELS), else built here (sm_90a) when WHEELS/build holds the
+# build backend's wheels (scikit-build-core, nanobind and their dependencies; a GPU machine without a package
+# index gets them that way: `pip download -d .whl/build scikit-build-core==1.1.2 nanobind==3.1.0`, plus
+# cmake and ninja where the machine has none). The wheel
+# is installed with the fla wheels found there into a private target directory.
 # Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--out DIR]
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu).
@@ -85,8 +89,9 @@ fi
 
 if [ "$BENCH" = 1 ]; then
   echo "== benchmark"
-  if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_site .whl/*.whl \
+  if ls .whl/fla_core-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_site \
+      .whl/fla_core-*.whl $(ls .whl/flash_linear_attention-*.whl 2>/dev/null) \
       && export PYTHONPATH=/tmp/pathattn_site${PYTHONPATH:+:$PYTHONPATH}
   fi
   PATHATTN_COMMIT=${PATHATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")} PYTHONUNBUFFERED=1 \
@@ -94,10 +99,23 @@ if [ "$BENCH" = 1 ]; then
   cp "$TABLE" "$OUTDIR/" 2>/dev/null || true
 fi
 WHEELS=${WHEELS:-.whl}
-if [ "$TESTS" = 1 ] && ls "$WHEELS"/pathattn-*.whl > /dev/null 2>&1; then
-  echo "== Python GPU tests"
+PYTAG=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+WHEEL=$(ls "$WHEELS"/pathattn-*-"$PYTAG"-*.whl 2>/dev/null | head -1)
+if [ "$TESTS" = 1 ] && [ -z "$WHEEL" ] && ls "$WHEELS"/build/scikit_build_core-*.whl > /dev/null 2>&1; then
+  echo "== building the pathattn wheel ($PYTAG, CUDA sm_90a)"
+  # cmake / ninja wheels there too, if the machine lacks them (their scripts land in the target's bin/).
+  python3 -m pip install -q --upgrade --no-index --find-links "$WHEELS/build" --target /tmp/pathattn_buildenv \
+    scikit-build-core nanobind $(cd "$WHEELS/build" && ls cmake-*.whl ninja-*.whl 2>/dev/null | sed 's/-.*//') \
+    && PATH=/tmp/pathattn_buildenv/bin:$PATH PYTHONPATH=/tmp/pathattn_buildenv python3 -m pip wheel -q --no-build-isolation --no-deps -w "$OUTDIR/wheel" . \
+      -Ccmake.define.PATHATTN_CUDA=ON "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" \
+      -Cbuild-dir=build-wheel > "$OUTDIR/wheel_build.log" 2>&1 \
+    || { echo "wheel build failed: $OUTDIR/wheel_build.log"; status=1; }
+  WHEEL=$(ls "$OUTDIR"/wheel/pathattn-*.whl 2>/dev/null | head -1)
+fi
+if [ "$TESTS" = 1 ] && [ -n "$WHEEL" ]; then
+  echo "== Python GPU tests ($(basename "$WHEEL"))"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_py \
-    "$WHEELS"/pathattn-*.whl $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl 2>/dev/null) || status=1
+    "$WHEEL" $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl 2>/dev/null) || status=1
   (cd python/tests && PYTHONPATH=/tmp/pathattn_py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
     python3 -m pytest -q -s -p no:cacheprovider test_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | grep -E "^\[fla|passed|failed|^E ")
   grep -qE "[0-9]+ passed" "$OUTDIR/pytest_gpu.log" && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUTDIR/pytest_gpu.log" || status=1
