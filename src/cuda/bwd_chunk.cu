@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                              [&](int t, int c) { return Zs[t * LC + c]; },
                                              [&](int r, int c, float v) { Us[r * LC + c] = v; });
   // dk~ of the chunk (rows past the end: unwritten there, zero here) staged over Xs / dXs.
-  stage_tile4<K>(TileSrc<K, float>{p.dkt, 0, int64_t(p.H) * K, K, true}, 0, h, Big, LW, tok0, nq);
+  stage_tile4<K>(TileSrc<float>{p.dkt, 0, int64_t(p.H) * K, K, true}, 0, h, Big, LW, tok0, nq);
   __syncthreads();
   PA_PROBE(5);
 
@@ -115,9 +115,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
     // Q and (kStageDA) dA_loc; rows past the end: zero.
-    stage_tile4<K>(TileSrc<K, T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
+    stage_tile4<K>(TileSrc<T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
     if constexpr (kStageDA)
-      stage_tile4<kChunk>(TileSrc<kChunk, float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
+      stage_tile4<kChunk>(TileSrc<float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
                           tok0, nq);
     const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
     const int64_t dal_ld = int64_t(p.HQ) * kChunk;

@@ -435,15 +435,15 @@ __device__ __forceinline__ void store4(float* dst, float4 v) { *reinterpret_cast
 // load of a thread issued before its first store (so their latencies overlap). Row r of source i starts at
 // src_i + off_i(r) (D contiguous elements); rows >= nvalid (and all of a null source) are zero; dst_i has
 // leading dim ld_i (a multiple of 4).
-template <int D, typename E>
+template <typename E>
 struct TileSrc {
   const E* src;  // null: zeros
   int64_t s0, s1, s2;  // the row's offset is i0 s0 + i1 s1 + i2 s2 (elements)
   bool vec;
 };
 template <int D, typename E1, typename D1, typename E2, typename D2>
-__device__ __forceinline__ void stage_tiles4(const TileSrc<D, E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
-                                             const TileSrc<D, E2>& b, int64_t b0, int64_t b2, D2* db, int ldb,
+__device__ __forceinline__ void stage_tiles4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
+                                             const TileSrc<E2>& b, int64_t b0, int64_t b2, D2* db, int ldb,
                                              int64_t row0, int nvalid) {
   constexpr int kG = 64 * D / 4 / kTcThreads;
   static_assert(kG >= 1 && (64 * D / 4) % kTcThreads == 0, "stage_tiles4: tile shape");
@@ -464,9 +464,9 @@ __device__ __forceinline__ void stage_tiles4(const TileSrc<D, E1>& a, int64_t a0
   }
 }
 template <int D, typename E1, typename D1>
-__device__ __forceinline__ void stage_tile4(const TileSrc<D, E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
+__device__ __forceinline__ void stage_tile4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
                                             int64_t row0, int nvalid) {
-  stage_tiles4<D>(a, a0, a2, da, lda, TileSrc<D, float>{nullptr, 0, 0, 0, false}, 0, 0, static_cast<float*>(nullptr), 0,
+  stage_tiles4<D>(a, a0, a2, da, lda, TileSrc<float>{nullptr, 0, 0, 0, false}, 0, 0, static_cast<float*>(nullptr), 0,
                   row0, nvalid);
 }
 
@@ -476,8 +476,8 @@ template <int K, class P, typename T>
 __device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
                                                float* Wf, int lw) {
   const T* kp = static_cast<const T*>(p.k);
-  const TileSrc<K, T> ks{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
-  const TileSrc<K, float> ws{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
+  const TileSrc<T> ks{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
+  const TileSrc<float> ws{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
                              vec4_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2])};
   stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
 }
@@ -510,38 +510,42 @@ __device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, floa
   __syncthreads();
   for (int L = 1; L < 4; ++L) {
     const int nel = (4 - L) * 256;
+    // Output e of this thread on block diagonal L: block (j + L, j), row r, column c; false past the diagonal.
+    auto at = [&](int e, int& j, int& r, int& c) {
+      const int idx = tid + e * kTcThreads;
+      j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      return idx < nel;
+    };
     float v[kPer];
+    auto put = [&]() {
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        int j, r, c;
+        if (at(e, j, r, c)) E[r * lde + c] = v[e];
+      }
+      __syncthreads();
+    };
     // T_ij = sum_{k = j}^{i - 1} A_ik E_kj (blocks of earlier diagonals only), parked in E_ij's place.
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      const int idx = tid + e * kTcThreads, j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      int j, r, c;
       float s = 0.f;
-      if (idx < nel)
+      if (at(e, j, r, c))
         for (int t = c; t < 16 * (j + L); ++t) s = fmaf(A[r * lda + t], E[t * lde + c], s);
       v[e] = s;
     }
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const int idx = tid + e * kTcThreads, j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
-      if (idx < nel) E[r * lde + c] = v[e];
-    }
-    __syncthreads();
+    put();
     // E_ij = -E_ii T_ij (E_ii unit lower).
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      const int idx = tid + e * kTcThreads, j = idx >> 8, i0 = 16 * (j + L), r = i0 + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
+      int j, r, c;
       float s = 0.f;
-      if (idx < nel)
-        for (int t = i0; t <= r; ++t) s = fmaf(E[r * lde + t], E[t * lde + c], s);
+      if (at(e, j, r, c))
+        for (int t = 16 * (j + L); t <= r; ++t) s = fmaf(E[r * lde + t], E[t * lde + c], s);
       v[e] = -s;
     }
     __syncthreads();
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const int idx = tid + e * kTcThreads, j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
-      if (idx < nel) E[r * lde + c] = v[e];
-    }
-    __syncthreads();
+    put();
   }
 }
 

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();
     PA_PROBE(6);
-    stage_tile4<K>(TileSrc<K, T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
+    stage_tile4<K>(TileSrc<T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
     __syncthreads();
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
