@@ -167,11 +167,11 @@ struct CudaModel::Impl {
     return make_view(p, dt, shape, Device::cuda);
   }
 
-  // What the forward and the backward call share: the layer's inputs on head rows of Kp (q, k, v, w
-  // zero-padded by the conversions before it), o and lse, the scales of the true head dim, the stream.
-  template <class P>
-  void attention_inputs(P& p, const LayerActs& a, int64_t B, int64_t T_) {
+  // The attention call on head rows of Kp (q, k, v, w zero-padded by the conversions before it), with the
+  // scales of the true head dim; the backward's parameters follow from it (bwd_params_for).
+  PathFwdParams attention_params(const LayerActs& a, int64_t B, int64_t T_) const {
     const int64_t HQ = cfg.n_head, H = cfg.H();
+    PathFwdParams p;
     p.scale = 1.0 / std::sqrt(double(cfg.K()));  // the true head dim's (the op's default, bit for bit, at K = Kp)
     p.gate_scale = p.scale;                        // the op's default, which the CPU engine uses
     p.q = view(a.qb, DType::bf16, {B, T_, HQ, Kp});
@@ -186,19 +186,17 @@ struct CudaModel::Impl {
     p.lse = view(a.lse, DType::f32, {B, T_, HQ});
     p.backend = Backend::cuda;
     p.stream = s;
+    return p;
   }
 
   void attention_fwd(LayerActs& a, int64_t B, int64_t T_) {
-    PathFwdParams p;
-    attention_inputs(p, a, B, T_);
-    const Status st = path_attn_fwd(p);
+    const Status st = path_attn_fwd(attention_params(a, B, T_));
     if (!st.ok()) throw EngineError("attention forward (backend cuda): " + st.message());
   }
 
   void attention_bwd(LayerActs& a, int64_t B, int64_t T_) {
     const int64_t HQ = cfg.n_head, H = cfg.H();
-    PathBwdParams p;
-    attention_inputs(p, a, B, T_);
+    PathBwdParams p = bwd_params_for(attention_params(a, B, T_));
     p.do_ = view(dOb, DType::bf16, {B, T_, HQ, Kp});
     p.dq = view(dqb, DType::bf16, {B, T_, HQ, Kp});
     p.dk = view(dkb, DType::bf16, {B, T_, H, Kp});
