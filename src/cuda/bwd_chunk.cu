@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);  // kStageDA only
   float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
-  const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const int2 ih = item_and_head(p.H);
+  const int ci = ih.x, h = ih.y, tid = threadIdx.x;
   const ChunkDesc ch = p.chunks[ci];
   const int nq = min(kChunk, ch.len - ch.c * kChunk);
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk, tok0 = ch.b * p.T + pos0;
@@ -285,8 +286,8 @@ cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
   if (BwdChunkSmem<K, true>::bytes <= size_t(optin))
-    return launch_with_smem(bwd_chunk_kernel<T, K, true>, dim3(p.nchunks, p.H), kThreads, BwdChunkSmem<K, true>::bytes, s, p);
-  return launch_with_smem(bwd_chunk_kernel<T, K, false>, dim3(p.nchunks, p.H), kThreads, BwdChunkSmem<K, false>::bytes, s, p);
+    return launch_with_smem(bwd_chunk_kernel<T, K, true>, item_head_grid(p.nchunks, p.H), kThreads, BwdChunkSmem<K, true>::bytes, s, p);
+  return launch_with_smem(bwd_chunk_kernel<T, K, false>, item_head_grid(p.nchunks, p.H), kThreads, BwdChunkSmem<K, false>::bytes, s, p);
 }
 
 }  // namespace

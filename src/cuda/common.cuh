@@ -254,6 +254,12 @@ inline cudaError_t launch_with_smem(void (*kern)(P...), dim3 grid, int threads, 
   return cudaGetLastError();
 }
 
+// Grids of (chunk or superblock, kv head) items are one-dimensional with the kv head fastest: the CTAs that run
+// side by side then read and write the same tokens' [token][head][...] rows, contiguous in memory, instead of
+// one head's rows a whole head row apart. Returns {item, kv head}.
+__device__ __forceinline__ int2 item_and_head(int H) { return make_int2(int(blockIdx.x / H), int(blockIdx.x % H)); }
+inline dim3 item_head_grid(int items, int H) { return dim3(unsigned(int64_t(items) * H)); }
+
 // ----------------------------------------------------------------------------------------------------
 // cp.async: 16-byte global -> shared copies; src_bytes = 0 zero-fills (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -482,14 +488,49 @@ __device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t po
   stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
 }
 
+// One warp: acc (a 16 x 8 C fragment) += A B over an inner dimension KD, both operands fp32 in shared memory
+// (A row-major from its tile's top-left, ld lda; B row-major [k][n] from its tile's top-left, ld ldb), in
+// split tf32 (head * head + head * tail + tail * head): about fp32 accuracy.
+template <int KD>
+__device__ __forceinline__ void warp_mma_f32x3(float (&acc)[4], const float* A, int lda, const float* B, int ldb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  auto split = [](float x, uint32_t& hi, uint32_t& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+  };
+#pragma unroll
+  for (int k0 = 0; k0 < KD; k0 += 8) {
+    uint32_t ah[4], al[4], bh0, bl0, bh1, bl1;
+    split(A[g * lda + k0 + t], ah[0], al[0]);
+    split(A[(g + 8) * lda + k0 + t], ah[1], al[1]);
+    split(A[g * lda + k0 + t + 4], ah[2], al[2]);
+    split(A[(g + 8) * lda + k0 + t + 4], ah[3], al[3]);
+    split(B[(k0 + t) * ldb + g], bh0, bl0);
+    split(B[(k0 + t + 4) * ldb + g], bh1, bl1);
+    mma1688_tf32(acc, al, bh0, bh1);
+    mma1688_tf32(acc, ah, bl0, bl1);
+    mma1688_tf32(acc, ah, bh0, bh1);
+  }
+}
+
+// Stores a warp's 16 x 8 C fragment, times `scale`, into a row-major fp32 tile (top-left dst, ld ld).
+__device__ __forceinline__ void warp_store_c(float* dst, int ld, const float (&acc)[4], float scale) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  dst[g * ld + 2 * t] = scale * acc[0];
+  dst[g * ld + 2 * t + 1] = scale * acc[1];
+  dst[(g + 8) * ld + 2 * t] = scale * acc[2];
+  dst[(g + 8) * ld + 2 * t + 1] = scale * acc[3];
+}
+
 // E = (I + A)^-1 for a 64 x 64 strictly lower A (ld lda), written to E (ld lde); every thread of a kTcThreads
-// block calls it, and it ends with a barrier. Blocked in 16 x 16 tiles: the four diagonal blocks by forward
-// substitution (4 lanes per column, 15 dependent steps, no barrier), then the block diagonals below them,
-// L = 1, 2, 3: E_ij = -E_ii (sum_{k = j}^{i - 1} A_ik E_kj) for i = j + L (two small products each, results
-// through registers). 16 + 3 x 3 barrier-separated steps instead of 63 row steps over the whole matrix.
+// block calls it, and it ends with a barrier. The four 16 x 16 diagonal blocks by forward substitution (4
+// lanes per column, 15 dependent steps, no barrier), then two doubling levels, each
+//   [E11 0; E21 E22] with E21 = -E22 (A21 E11)
+// over 32 x 32 (two 16 x 16 blocks) and then 64 x 64 (one 32 x 32 block): split tf32 warp products, one warp
+// per 8-column strip of E21 (the strip of A21 E11 it needs is its own, parked in E21's place): four warps
+// per level, no barrier inside a level.
 __device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, float* E, int lde) {
-  constexpr int kPer = (3 * 256 + kTcThreads - 1) / kTcThreads;  // outputs per thread of one block diagonal
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5;
   for (int idx = tid; idx < 64 * 64; idx += kTcThreads) {
     const int r = idx >> 6, c = idx & 63;
     if (r <= c) E[r * lde + c] = r == c ? 1.f : 0.f;
@@ -508,45 +549,36 @@ __device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, floa
     }
   }
   __syncthreads();
-  for (int L = 1; L < 4; ++L) {
-    const int nel = (4 - L) * 256;
-    // Output e of this thread on block diagonal L: block (j + L, j), row r, column c; false past the diagonal.
-    auto at = [&](int e, int& j, int& r, int& c) {
-      const int idx = tid + e * kTcThreads;
-      j = idx >> 8, r = 16 * (j + L) + ((idx >> 4) & 15), c = 16 * j + (idx & 15);
-      return idx < nel;
-    };
-    float v[kPer];
-    auto put = [&]() {
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        int j, r, c;
-        if (at(e, j, r, c)) E[r * lde + c] = v[e];
-      }
-      __syncthreads();
-    };
-    // T_ij = sum_{k = j}^{i - 1} A_ik E_kj (blocks of earlier diagonals only), parked in E_ij's place.
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      int j, r, c;
-      float s = 0.f;
-      if (at(e, j, r, c))
-        for (int t = c; t < 16 * (j + L); ++t) s = fmaf(A[r * lda + t], E[t * lde + c], s);
-      v[e] = s;
-    }
-    put();
-    // E_ij = -E_ii T_ij (E_ii unit lower).
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      int j, r, c;
-      float s = 0.f;
-      if (at(e, j, r, c))
-        for (int t = 16 * (j + L); t <= r; ++t) s = fmaf(E[r * lde + t], E[t * lde + c], s);
-      v[e] = -s;
-    }
-    __syncthreads();
-    put();
+  // Level 1: blocks (1, 0) and (3, 2) of 16 x 16, two 8-column strips each. Level 2: rows 32..63, columns
+  // 0..31, four strips of 32 rows (two 16-row C fragments).
+  if (warp < 4) {
+    const int d0 = 32 * (warp >> 1), r0 = d0 + 16, c0 = d0 + 8 * (warp & 1);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    warp_mma_f32x3<16>(acc, A + r0 * lda + d0, lda, E + d0 * lde + c0, lde);
+    warp_store_c(E + r0 * lde + c0, lde, acc, 1.f);
+    __syncwarp();
+    float e21[4] = {0.f, 0.f, 0.f, 0.f};
+    warp_mma_f32x3<16>(e21, E + r0 * lde + r0, lde, E + r0 * lde + c0, lde);
+    __syncwarp();
+    warp_store_c(E + r0 * lde + c0, lde, e21, -1.f);
   }
+  __syncthreads();
+  if (warp < 4) {
+    const int c0 = 8 * warp;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(acc[m], A + (32 + 16 * m) * lda, lda, E + c0, lde);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, acc[m], 1.f);
+    __syncwarp();
+    float e21[2][4] = {};
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(e21[m], E + (32 + 16 * m) * lde + 32, lde, E + 32 * lde + c0, lde);
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, e21[m], -1.f);
+  }
+  __syncthreads();
 }
 
 // ----------------------------------------------------------------------------------------------------

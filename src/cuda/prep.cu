@@ -42,8 +42,9 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
   T* Ks = reinterpret_cast<T*>(bs + kChunk);
   T* Qs = Ks + kChunk * LT;
 
-  const ChunkDesc ch = p.chunks[blockIdx.x];
-  const int h = blockIdx.y, nq = chunk_rows(ch), tid = threadIdx.x;
+  const int2 ih = item_and_head(p.H);
+  const ChunkDesc ch = p.chunks[ih.x];
+  const int h = ih.y, nq = chunk_rows(ch), tid = threadIdx.x;
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk, tok0 = ch.b * p.T + pos0;
   const T* qp = static_cast<const T*>(p.q);
   const bool qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
@@ -152,8 +153,9 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
   __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
   __half* W2s = Ws + kChunk * LT;
 
-  const int h = blockIdx.y, tid = threadIdx.x;
-  const int c0 = p.super_first[blockIdx.x];
+  const int2 ih = item_and_head(p.H);
+  const int sbi = ih.x, h = ih.y, tid = threadIdx.x;
+  const int c0 = p.super_first[sbi];
   const ChunkDesc ch = p.chunks[c0];
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
   const T* ktp = static_cast<const T*>(p.kt);
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
     right_mul_chunk_product<K, LM, LY, LT>(Mf, Yf, Ws, W2s);
   }
   __syncthreads();
-  __half* out = p.ps + (int64_t(blockIdx.x) * p.H + h) * K * K;
+  __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
   for (int idx = tid; idx < K * K; idx += blockDim.x) out[idx] = __float2half_rn(Mf[(idx / K) * LM + idx % K]);
 }
 
@@ -340,7 +342,7 @@ size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSme
 
 template <typename T, int K>
 static cudaError_t super_t(const KernelParams& p, cudaStream_t s) {
-  return launch_with_smem(super_prep_kernel<T, K>, dim3(p.nsuper, p.H), kPrepThreads, smem_super_prep(K), s, p);
+  return launch_with_smem(super_prep_kernel<T, K>, item_head_grid(p.nsuper, p.H), kPrepThreads, smem_super_prep(K), s, p);
 }
 
 size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64>::bytes : SuperBwdSmem<128>::bytes; }
@@ -364,7 +366,7 @@ cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) 
 
 template <typename T, int K>
 static cudaError_t prep_t(const KernelParams& p, cudaStream_t s) {
-  return launch_with_smem(chunk_prep_kernel<T, K>, dim3(p.nchunks, p.H), kPrepThreads, smem_chunk_prep(K), s, p);
+  return launch_with_smem(chunk_prep_kernel<T, K>, item_head_grid(p.nchunks, p.H), kPrepThreads, smem_chunk_prep(K), s, p);
 }
 
 PA_PROBE_TABLE(prep)
