@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                              [&](int t, int c) { return Zs[t * LC + c]; },
                                              [&](int r, int c, float v) { Us[r * LC + c] = v; });
   // dk~ of the chunk (rows past the end: unwritten there, zero here) staged over Xs / dXs.
-  stage_tile4<K>(TileSrc<float>{p.dkt, 0, int64_t(p.H) * K, K, true}, 0, h, Big, LW, tok0, nq);
+  stage_tile4<K>(ws_src<K>(p.dkt, p.H), 0, h, Big, LW, tok0, nq);
   __syncthreads();
   PA_PROBE(5);
 

@@ -469,6 +469,11 @@ __device__ __forceinline__ void stage_tiles4(const TileSrc<E1>& a, int64_t a0, i
     if (db) store4(db + r * ldb + d, vb[i]);
   }
 }
+// A workspace tensor [token][H][D] (contiguous, 16-byte aligned rows) as a TileSrc: rows are tokens, i2 the head.
+template <int D, typename E>
+__device__ __forceinline__ TileSrc<E> ws_src(const E* base, int H) {
+  return TileSrc<E>{base, 0, int64_t(H) * D, D, true};
+}
 template <int D, typename E1, typename D1>
 __device__ __forceinline__ void stage_tile4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
                                             int64_t row0, int nvalid) {

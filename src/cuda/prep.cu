@@ -85,11 +85,13 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
                                 [&](int r, int d, float v) {
                                   if (r < nq) ktp[((tok0 + r) * p.H + h) * K + d] = from_f<T>(to_f(Ks[r * LT + d]) - v);
                                 });
-  for (int idx = tid; idx < nq * K; idx += blockDim.x) {
-    const int r = idx / K, d = idx % K;
+  for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
+    const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
-    p.w16[o] = __float2half_rn(Wf[r * LW + d]);
-    p.w2h[o] = __float2half_rn(W2f[r * LW + d]);
+    const float4 w = *reinterpret_cast<const float4*>(Wf + r * LW + d);
+    const float4 w2 = *reinterpret_cast<const float4*>(W2f + r * LW + d);
+    *reinterpret_cast<uint2*>(p.w16 + o) = make_uint2(Pack2<__half>::pack(w.x, w.y), Pack2<__half>::pack(w.z, w.w));
+    *reinterpret_cast<uint2*>(p.w2h + o) = make_uint2(Pack2<__half>::pack(w2.x, w2.y), Pack2<__half>::pack(w2.z, w2.w));
   }
   // Per query head of the group.
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
@@ -164,13 +166,8 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
   for (int c = kSuperChunks - 1; c >= 0; --c) {
     const int64_t t0 = tok0 + int64_t(c) * kChunk;  // every chunk of a full superblock has kChunk rows
     __syncthreads();
-    for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
-      const int r = idx / K, d = idx % K;
-      const int64_t o = ((t0 + r) * p.H + h) * K + d;
-      Kt[r * LT + d] = ktp[o];
-      Ws[r * LT + d] = p.w16[o];
-      W2s[r * LT + d] = p.w2h[o];
-    }
+    stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.w16, p.H), 0, h, Ws, LT, t0, kChunk);
+    stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
     __syncthreads();
     // ks_c = k~_c M^T.
     block_mm_tc<kChunk, K, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
@@ -218,12 +215,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;
     auto load_w = [&](int c) {
       const int64_t t0 = tok0 + int64_t(c) * kChunk;
-      for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
-        const int r = idx / K, d = idx % K;
-        const int64_t o = ((t0 + r) * p.H + h) * K + d;
-        Ws[r * LT + d] = p.w16[o];
-        W2s[r * LT + d] = p.w2h[o];
-      }
+      stage_tiles4<K>(ws_src<K>(p.w16, p.H), 0, h, Ws, LT, ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
     };
     // ---- pass 1: M_last = I, M_{c-1} = M_c - (M_c W_c^T) W2_c, each stored to the scratch.
     __syncthreads();
@@ -249,14 +241,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
                                   [&](int k, int n) { return Rf[k * LM + n]; },
                                   [&](int r, int n, float v) { dP[r * K + n] += v; });
       if (c == kSuperChunks - 1) break;
-      const int64_t t0 = tok0 + int64_t(c) * kChunk;
       load_w(c);
-      for (int idx = tid; idx < kChunk * K; idx += blockDim.x) {
-        const int r = idx / K, d = idx % K;
-        const int64_t o = ((t0 + r) * p.H + h) * K + d;
-        Kt[r * LT + d] = ktp[o];
-        dKs[r * LM + d] = p.dks[o];
-      }
+      stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM,
+                      tok0 + int64_t(c) * kChunk, kChunk);
       __syncthreads();
       block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
                                        [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
