@@ -27,7 +27,7 @@ using namespace pathattn::cuda;
 
 namespace v3 {
 
-__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
+__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(tf32_exact(x)); }
 
 // One product into a fresh accumulator, then (after every warp has read its operands) out(r, c, v).
 template <int N, int KD, bool kSplit, class FO>

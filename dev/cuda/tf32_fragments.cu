@@ -5,8 +5,8 @@
 //   v0: with the library's accessor-fed fragments (mma_tc_acc from src/cuda/common.cuh, as the kernels do);
 //   v1: with ldmatrix-fed fragments: an 8 x 4 tile of 32-bit words is one ldmatrix 8 x 8 b16 matrix, and the
 //       m16n8k8 tf32 A fragment (rows g / g + 8, columns t / t + 4) is four of them (one ldmatrix.x4); the B
-//       fragment of two k-steps is one more. Same tiling, same conversions (cvt.rna.tf32), same mma order.
-//   v2: v1 without conversions in the loop: plain tf32 operands are rounded once when staged (cvt.rna, so the
+//       fragment of two k-steps is one more. Same tiling, same conversions (to_tf32), same mma order.
+//   v2: v1 without conversions in the loop: plain tf32 operands are rounded once when staged (tf32_exact, so the
 //       products equal v0's bit for bit); split-tf32 operands stay fp32 and split by a mask (head = the top 19
 //       bits, tail = x - head, exact in fp32, passed as is: its own truncation is 2^-21 of x).
 // Check: v1 (and plain v2) equal v0 bit for bit; every variant matches an fp64 host product within the tf32
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kTcThreads) product_kernel(const float* A, con
   for (int i = threadIdx.x; i < N * KD; i += blockDim.x) Bs[(i / KD) * LD + i % KD] = Bg[i];
   __syncthreads();
   if (V == 2 && !kX3) {  // round once where the operands are staged
-    for (int i = threadIdx.x; i < (kM + N) * LD; i += blockDim.x) sm[i] = __uint_as_float(to_tf32(sm[i]));
+    for (int i = threadIdx.x; i < (kM + N) * LD; i += blockDim.x) sm[i] = __uint_as_float(tf32_exact(sm[i]));
     __syncthreads();
   }
   using TT = TcTile<kM, N>;

@@ -4,7 +4,7 @@
 // Fragments by ldmatrix: an 8 x 4 tile of 32-bit words is one 8 x 8 b16 matrix, the m16n8k8 A fragment (rows
 // g / g + 8, columns t / t + 4) four of them, the B fragment of two k-steps four more. Same tiling and mma order
 // as mma_tc_acc (src/cuda/common.cuh).
-//   kPre = false: operands are fp32 and converted in the loop as mma_tc_acc does (cvt.rna; split: head and
+//   kPre = false: operands are fp32 and converted in the loop as mma_tc_acc does (to_tf32; split: head and
 //                 tail both rounded), so the products equal mma_tc_acc's bit for bit.
 //   kPre = true:  plain operands are already tf32 values (rounded where staged) and go to the mma unconverted;
 //                 split operands are fp32, split by a mask (head = top 19 bits, tail = x - head passed as is).
@@ -86,8 +86,7 @@ __device__ __forceinline__ void mma_nt(typename TcTile<64, N>::Acc& acc, const f
       hi = x & 0xffffe000u;
       lo = __float_as_uint(f - __uint_as_float(hi));
     } else {
-      hi = to_tf32(f);
-      lo = to_tf32(f - __uint_as_float(hi));
+      split_tf32(f, hi, lo);
     }
   };
   auto conv = [](uint32_t x) { return kPre ? x : to_tf32(__uint_as_float(x)); };

@@ -80,10 +80,16 @@ __device__ __forceinline__ void mma1688_tf32(float (&d)[4], const uint32_t (&a)[
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
+// fp32 -> tf32 operand, rounded to nearest (ties away from zero, as cvt.rna): half a tf32 ulp is added to the
+// bits and the tensor core drops the 13 low bits of every tf32 operand (it truncates). One integer add per
+// element where cvt.rna.tf32.f32 costs three instructions; the same value for every finite input.
+__device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+// x rounded to tf32 the same way, low bits cleared: the exact tf32 value as fp32 bits.
+__device__ __forceinline__ uint32_t tf32_exact(float x) { return (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }
+// Split tf32: head = x rounded to tf32 (exact, so x - head is exact in fp32), tail = the rest, rounded.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_exact(x);
+  lo = to_tf32(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -355,10 +361,6 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
   constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp % WM, wn = warp / WM;
-  auto split = [](float x, uint32_t& hi, uint32_t& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
-  };
 #pragma unroll 4
   for (int k0 = 0; k0 < KD; k0 += 8) {
     uint32_t ah[MPW][4], al[MPW][4];
@@ -368,7 +370,7 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
       const float av[4] = {a(m, k0 + t), a(m + 8, k0 + t), a(m, k0 + t + 4), a(m + 8, k0 + t + 4)};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (kX3) split(av[e], ah[mi][e], al[mi][e]);
+        if (kX3) split_tf32(av[e], ah[mi][e], al[mi][e]);
         else ah[mi][e] = to_tf32(av[e]);
       }
     }
@@ -378,8 +380,8 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
       const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
       uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
       if (kX3) {
-        split(b0, bh0, bl0);
-        split(b1, bh1, bl1);
+        split_tf32(b0, bh0, bl0);
+        split_tf32(b1, bh1, bl1);
       } else {
         bh0 = to_tf32(b0);
         bh1 = to_tf32(b1);
@@ -499,19 +501,15 @@ __device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t po
 template <int KD>
 __device__ __forceinline__ void warp_mma_f32x3(float (&acc)[4], const float* A, int lda, const float* B, int ldb) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  auto split = [](float x, uint32_t& hi, uint32_t& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
-  };
 #pragma unroll
   for (int k0 = 0; k0 < KD; k0 += 8) {
     uint32_t ah[4], al[4], bh0, bl0, bh1, bl1;
-    split(A[g * lda + k0 + t], ah[0], al[0]);
-    split(A[(g + 8) * lda + k0 + t], ah[1], al[1]);
-    split(A[g * lda + k0 + t + 4], ah[2], al[2]);
-    split(A[(g + 8) * lda + k0 + t + 4], ah[3], al[3]);
-    split(B[(k0 + t) * ldb + g], bh0, bl0);
-    split(B[(k0 + t + 4) * ldb + g], bh1, bl1);
+    split_tf32(A[g * lda + k0 + t], ah[0], al[0]);
+    split_tf32(A[(g + 8) * lda + k0 + t], ah[1], al[1]);
+    split_tf32(A[g * lda + k0 + t + 4], ah[2], al[2]);
+    split_tf32(A[(g + 8) * lda + k0 + t + 4], ah[3], al[3]);
+    split_tf32(B[(k0 + t) * ldb + g], bh0, bl0);
+    split_tf32(B[(k0 + t + 4) * ldb + g], bh1, bl1);
     mma1688_tf32(acc, al, bh0, bh1);
     mma1688_tf32(acc, ah, bl0, bl1);
     mma1688_tf32(acc, ah, bh0, bh1);
