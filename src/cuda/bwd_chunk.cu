@@ -101,10 +101,11 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   auto dKt = [&](int j, int a) { return Big[j * LW + a]; };
   // dW2 -= W D.
   mma_tc_acc<kChunk, K, K, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
-  // dW -= W2 D^T + U dk~  (one product over the stacked inner dimension).
-  mma_tc_acc<kChunk, K, K + kChunk, false>(
-      dWa, [&](int r, int k) { return k < K ? W2f[r * LW + k] : Us[r * LC + k - K]; },
-      [&](int k, int a) { return k < K ? -Dm[a * K + k] : -dKt(k - K, a); });
+  // dW -= W2 D^T + U dk~.
+  mma_tc_acc<kChunk, K, K, false>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
+                                  [&](int k, int a) { return -Dm[a * K + k]; });
+  mma_tc_acc<kChunk, K, kChunk, false>(dWa, [&](int r, int k) { return Us[r * LC + k]; },
+                                       [&](int k, int a) { return -dKt(k, a); });
   // dU = -W dk~^T (strict lower).
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int j) { return dKt(j, k); },
                                         [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; });
@@ -135,16 +136,14 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     // X = tril_incl(Q W^T) -> Xs.
     block_mm_tc<kChunk, kChunk, K, false>(q_rk, w_kc, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; });
     // dX = -(dq~ W2^T + dA_loc U^T) on the lower triangle -> dXs.
-    block_mm_tc<kChunk, kChunk, K + kChunk, false>(
-        [&](int r, int k) { return k < K ? dQt(r, k) : dAl(r, k - K); },
-        [&](int k, int s) { return k < K ? W2f[s * LW + k] : Us[s * LC + k - K]; },
+    block_mm_tc2<kChunk, kChunk, K, kChunk, false>(
+        dQt, [&](int k, int s) { return W2f[s * LW + k]; }, dAl, [&](int k, int s) { return Us[s * LC + k]; },
         [&](int r, int s, float v) { dXs[r * LC + s] = s <= r && r < nq ? -v : 0.f; });
     __syncthreads();
     PA_PROBE(8);
     // dq = dq~ + dA_loc K + dX W.
-    block_mm_tc<kChunk, K, 2 * kChunk, false>(
-        [&](int r, int k) { return k < kChunk ? dAl(r, k) : dXs[r * LC + k - kChunk]; },
-        [&](int k, int d) { return k < kChunk ? k_rk(k, d) : Wf[(k - kChunk) * LW + d]; },
+    block_mm_tc2<kChunk, K, kChunk, kChunk, false>(
+        dAl, k_rk, [&](int r, int k) { return dXs[r * LC + k]; }, w_rk,
         [&](int r, int d, float v) {
           if (r < nq) dqp[ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d] = from_f<T>(dQt(r, d) + v);
         });
@@ -206,9 +205,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(10);
   // dE (lower incl.) = (dU Zb^T + dW2 Wb^T) -> Us.
-  block_mm_tc<kChunk, kChunk, kChunk + K, false>(
-      [&](int r, int k) { return k < kChunk ? dUs[r * LC + k] : dW2s[r * LW + k - kChunk]; },
-      [&](int k, int s) { return k < kChunk ? Zs[s * LC + k] : Wf[s * LW + k - kChunk]; },
+  block_mm_tc2<kChunk, kChunk, kChunk, K, false>(
+      [&](int r, int k) { return dUs[r * LC + k]; }, [&](int k, int s) { return Zs[s * LC + k]; },
+      [&](int r, int k) { return dW2s[r * LW + k]; }, w_kc,
       [&](int r, int s, float v) { Us[r * LC + s] = s <= r ? v * bs[s] : 0.f; });
   // dZb = E^T dU, in place (strict lower).
   block_mm_tc<kChunk, kChunk, kChunk, false>([&](int t, int r) { return Es[r * LC + t]; },

@@ -410,6 +410,19 @@ __device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
   TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
 }
 
+// The same over a stacked inner dimension, [A1 | A2] [B1 ; B2]: two passes into one accumulator, so no
+// per-element select between the halves.
+template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO>
+__device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out) {
+  using TT = TcTile<M, N>;
+  typename TT::Acc acc;
+  TT::zero(acc);
+  mma_tc_acc<M, N, KD1, kX3>(acc, a1, b1);
+  mma_tc_acc<M, N, KD2, kX3>(acc, a2, b2);
+  __syncthreads();
+  TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
+}
+
 // Four consecutive elements at p as floats: one 8-byte (16-bit types) or 16-byte (fp32) load when vec (p
 // aligned to that), else four scalar loads.
 __device__ __forceinline__ float4 load4(const float* p, bool vec) {

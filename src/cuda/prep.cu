@@ -111,8 +111,9 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
           if (r < nq) p.qtl[((tok0 + r) * p.HQ + hq) * K + d] = to_f(Qs[r * LT + d]) - v;
         });
     // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
-    block_mm_tc<kChunk, kChunk, K + kChunk, false>([&](int r, int k) { return k < K ? to_f(Qs[r * LT + k]) : R2[r * LC + k - K]; },
-        [&](int k, int c) { return k < K ? to_f(Ks[c * LT + k]) : -R1[(k - K) * LC + c]; },
+    block_mm_tc2<kChunk, kChunk, K, kChunk, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+        [&](int k, int c) { return to_f(Ks[c * LT + k]); }, [&](int r, int k) { return R2[r * LC + k]; },
+        [&](int k, int c) { return -R1[k * LC + c]; },
         [&](int r, int c, float v) {
           if (r < nq) p.aloc[((tok0 + r) * p.HQ + hq) * kChunk + c] = c <= r ? v : 0.f;
         });
@@ -249,9 +250,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
                                        [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
                                        [&](int r, int n, float v) { Yf[r * LY + n] = v; });
       __syncthreads();
-      block_mm_tc<K, K, 2 * kChunk, false>(
-          [&](int r, int k) { return k < kChunk ? -Yf[r * LY + k] : dKs[(k - kChunk) * LM + r]; },
-          [&](int k, int n) { return k < kChunk ? __half2float(Ws[k * LT + n]) : to_f(Kt[(k - kChunk) * LT + n]); },
+      block_mm_tc2<K, K, kChunk, kChunk, false>(
+          [&](int r, int k) { return -Yf[r * LY + k]; }, [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
+          [&](int r, int k) { return dKs[k * LM + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
           [&](int r, int n, float v) { Rf[r * LM + n] += v; });
     }
   }
