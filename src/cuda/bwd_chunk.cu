@@ -96,25 +96,49 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(5);
 
-  // ---- gradients of the chunk product (D = dP) and of the chunk-end keys (dk~).
-  const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
+  // ---- gradients of the chunk-end keys (dk~) and of the chunk product (D = dP).
   auto dKt = [&](int j, int a) { return Big[j * LW + a]; };
-  // dW2 -= W D.
-  mma_tc_acc<kChunk, K, K, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
-  // dW -= W2 D^T + U dk~.
-  mma_tc_acc<kChunk, K, K, false>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
-                                  [&](int k, int a) { return -Dm[a * K + k]; });
+  // dW -= U dk~;  dU = -W dk~^T (strict lower);  dK += dk~.
   mma_tc_acc<kChunk, K, kChunk, false>(dWa, [&](int r, int k) { return Us[r * LC + k]; },
                                        [&](int k, int a) { return -dKt(k, a); });
-  // dU = -W dk~^T (strict lower).
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int j) { return dKt(j, k); },
                                         [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; });
   TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
+  // dW2 -= W D;  dW -= W2 D^T.  D (K x K fp32) is staged where the device allows it: rows 0..63 over Xs / dXs
+  // (dk~ is read no more), rows 64..127 (K = 128) over Qs / dAs (free until the query heads' loop).
+  const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
+  constexpr bool kStageD = K == kChunk || kStageDA;
+  if constexpr (kStageD) {
+    static_assert(2 * kChunk * LC >= kChunk * LW, "D rows 0..63 over Xs / dXs");
+    static_assert(K == kChunk || kChunk * LT * sizeof(T) + kChunk * LC * sizeof(float) >= kChunk * LW * sizeof(float),
+                  "D rows 64..127 over Qs / dAs");
+    float* D0 = Big;
+    float* D1 = reinterpret_cast<float*>(Qs);
+    __syncthreads();
+    if constexpr (K == kChunk) {
+      stage_tile4<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk);
+    } else {
+      stage_tiles4<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, TileSrc<float>{Dm + kChunk * K, 0, K, 0, true},
+                      0, 0, D1, LW, 0, kChunk);
+    }
+    __syncthreads();
+    mma_tc_acc<kChunk, K, kChunk, false>(dW2a, w_rk, [&](int a, int d) { return -D0[a * LW + d]; });
+    if constexpr (K > kChunk)
+      mma_tc_acc<kChunk, K, kChunk, false>(dW2a, [&](int r, int a) { return Wf[r * LW + kChunk + a]; },
+                                           [&](int a, int d) { return -D1[a * LW + d]; });
+    mma_tc_acc<kChunk, K, K, false>(dWa, [&](int r, int k) { return W2f[r * LW + k]; }, [&](int k, int a) {
+      return -(K == kChunk || a < kChunk ? D0[a * LW + k] : D1[(a - kChunk) * LW + k]);
+    });
+  } else {
+    mma_tc_acc<kChunk, K, K, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
+    mma_tc_acc<kChunk, K, K, false>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
+                                    [&](int k, int a) { return -Dm[a * K + k]; });
+  }
 
   // ---- per query head: dq, and the X / A_loc terms.
   T* dqp = static_cast<T*>(p.dq);
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-    __syncthreads();  // Big (dk~) and the previous head's Qs / Xs / dXs are no longer read
+    __syncthreads();  // D (over Xs / dXs and Qs) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
     // Q and (kStageDA) dA_loc; rows past the end: zero.
     stage_tile4<K>(TileSrc<T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
