@@ -127,7 +127,7 @@ void run(int T, int H) {
   auto prep = [&] { CK(launch_chunk_prep(kp, 1, 0)); };
   const float t_prep = dev::median_ms(prep, 9);  // the last run leaves its stamps
   CK(cudaDeviceSynchronize());
-  report("chunk_prep", {"load K, W, beta", "A = diag(b) W W^T (split tf32)", "E = (I + A)^-1 (CUDA cores)",
+  report("chunk_prep", {"load K, W, beta", "A = diag(b) W W^T (split tf32)", "E = (I + A)^-1",
                         "W2 = E diag(b) W (split), Z = W K^T", "U = E diag(b) Z", "k~, w16 / w2h stores",
                         "load Q", "X = Q W^T", "q~, A_loc (thread 0's end)"},
          nctas, probe_table_prep, t_prep, smem_chunk_prep(K), clock_khz);
