@@ -15,7 +15,8 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 }
 
 // Per (chunk, kv head h), on tensor cores (tf32 mma, fp32 accumulation; A and W2 in split tf32, i.e. about
-// fp32 accuracy, because they feed the triangular inverse; the inverse's diagonal 16 x 16 blocks in fp32 on CUDA cores, the rest in split tf32):
+// fp32 accuracy, because they feed the triangular inverse; the inverse's 16 x 16 diagonal blocks in fp32 on
+// CUDA cores, the blocks below them in split tf32):
 //   A = strict_lower(diag(b) W W^T); E = (I + A)^-1; W2 = E diag(b) W; Z = strict_lower(W K^T);
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
