@@ -1,0 +1,373 @@
+// dev/cuda/far_tiling.cu: how fast can the scans' far-chunk loop run with mma.sync, and does the tiling bound it?
+// Self-checking, self-timing playground for the question NOTES.md (v3.10's table) leaves: the far loop of
+// fwd_scan (and of bwd_q / bwd_k) holds 16 query rows per warp, so each k~ / v fragment a warp reads from
+// shared memory (ldmatrix) feeds one m-tile; FlashAttention-2 holds 32 rows per warp and halves those reads per
+// FLOP. The loop here is the far part alone (keys already transported: S = Q K^T, online softmax in base 2,
+// O += P V over 64-key chunks, bf16 operands, fp32 accumulation, no mask, no transport), in three versions:
+//   v16:  4 warps x 16 rows (64-row tile), the query tile as fp32 in registers and packed to bf16 for every key
+//         chunk (warp_mma_rs), as fwd_scan does;
+//   v16p: the same with the query fragments packed to bf16 once (registers), as a far loop could keep them
+//         between superblock steps;
+//   v32:  4 warps x 32 rows (128-row tile), the queries in shared memory and their fragments loaded per k-step
+//         (ldmatrix), each k / v fragment used for both m-tiles.
+// Every version double-buffers the k / v tiles with cp.async (load_tile_async) as fwd_scan does.
+// Check: head 0's first 128 rows of each version against a host fp32 softmax over the same bf16 inputs
+// (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
+// work, H = 32 heads x 16384 query rows x 8192 keys (2.2 TFLOP, the attention forward's count at that shape),
+// median of 5 timed runs after a warm-up, with TFLOP/s.
+// Build and run (from the repository root):
+//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc dev/cuda/far_tiling.cu -o far_tiling && ./far_tiling
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/kernel_params.h"
+
+using namespace pathattn::cuda;
+
+#define CK(x)                                                                             \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+namespace {
+
+using T = __nv_bfloat16;
+constexpr int K = 128, V = 128, LK = K + 8, LV = V + 8;
+constexpr int kThreads = 128;  // 4 warps, as the scans
+constexpr int H = 32, kRows = 16384, kKeys = 8192, kNK = kKeys / kChunk;
+
+struct Args {
+  const T* q;  // [H][kRows][K]
+  const T* k;  // [H][kKeys][K]
+  const T* v;  // [H][kKeys][V]
+  float* o;    // [H][kRows][V]
+  float sl2;   // scale * log2(e)
+};
+
+// Online-softmax step for one 16-row m-tile (s in log2 units, overwritten with exp2(s - m_new)).
+__device__ __forceinline__ void softmax16(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m[hr], mx);
+    alpha[hr] = fast_exp2(m[hr] - mn);
+    m[hr] = mn;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - mn);
+      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - mn);
+      sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
+    }
+    l[hr] = l[hr] * alpha[hr] + sum;
+  }
+}
+
+__device__ __forceinline__ void scale_rows(float (&o)[V / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < V / 8; ++nt) {
+    o[nt][0] *= alpha[0];
+    o[nt][1] *= alpha[0];
+    o[nt][2] *= alpha[1];
+    o[nt][3] *= alpha[1];
+  }
+}
+
+// o (16 rows of a warp) / l to global, fp32.
+__device__ __forceinline__ void store_rows(float* orow0, const float (&o)[V / 8][4], const float (&l)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float inv = 1.f / lt;
+    float* orow = orow0 + size_t(g + 8 * hr) * V;
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt) {
+      orow[8 * nt + 2 * t] = o[nt][2 * hr] * inv;
+      orow[8 * nt + 2 * t + 1] = o[nt][2 * hr + 1] * inv;
+    }
+  }
+}
+
+// acc[MT] += A[MT] B with A from packed 16-bit registers (a[MT][KT][4], the m16n8k16 A layout) and B in shared
+// memory (TB as in warp_mma_ss): each B fragment is loaded once and used for every m-tile.
+template <int MT, int KT, int NT, bool TB>
+__device__ __forceinline__ void warp_mma_pr(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KT][4], const T* B,
+                                            int ldb) {
+  const int lane = threadIdx.x & 31, mat = lane >> 3, i = lane & 7;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    const int k0 = 16 * kt;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+      uint32_t b[4];
+      if (!TB) ldsm_x4(b, B + (8 * nt + i + (mat >> 1) * 8) * ldb + k0 + (mat & 1) * 8);
+      else ldsm_x4_t(b, B + (k0 + i + (mat & 1) * 8) * ldb + 8 * nt + (mat >> 1) * 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<T>(acc[mt][nt], a[mt][kt], b[0], b[1]);
+        mma16816<T>(acc[mt][nt + 1], a[mt][kt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// P (a 16 x 64 tile of probabilities in the C layout, 8 n-tiles) packed as four k-steps of A fragments.
+__device__ __forceinline__ void pack_p(uint32_t (&a)[4][4], const float (&s)[8][4]) {
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    a[kt][0] = Pack2<T>::pack(s[2 * kt][0], s[2 * kt][1]);
+    a[kt][1] = Pack2<T>::pack(s[2 * kt][2], s[2 * kt][3]);
+    a[kt][2] = Pack2<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+    a[kt][3] = Pack2<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+  }
+}
+
+constexpr size_t kTileBytes = 2 * (size_t(kChunk) * LK + size_t(kChunk) * LV) * sizeof(T);
+
+template <int VER>  // 0: v16, 1: v16p
+__global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + 2 * kChunk * LK;
+  const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const T* kp = a.k + size_t(head) * kKeys * K;
+  const T* vp = a.v + size_t(head) * kKeys * V;
+  const T* qrow = a.q + (size_t(head) * kRows + tile * kChunk + 16 * warp) * K;
+  auto load = [&](int c, int st) {
+    load_tile_async<K>(Ks + st * kChunk * LK, kp + size_t(c) * kChunk * K, K, kChunk);
+    load_tile_async<V>(Vs + st * kChunk * LV, vp + size_t(c) * kChunk * V, V, kChunk);
+    cp_async_commit();
+  };
+  load(0, 0);
+  // The query tile: fp32 (v16, as fwd_scan's q~ state) or packed once (v16p).
+  float qt[K / 8][4];
+  uint32_t qa[1][K / 16][4];
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qt[nt][e] = to_f(qrow[size_t(g + 8 * (e >> 1)) * K + 8 * nt + 2 * t + (e & 1)]);
+  if (VER == 1) {
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) {
+      qa[0][kt][0] = Pack2<T>::pack(qt[2 * kt][0], qt[2 * kt][1]);
+      qa[0][kt][1] = Pack2<T>::pack(qt[2 * kt][2], qt[2 * kt][3]);
+      qa[0][kt][2] = Pack2<T>::pack(qt[2 * kt + 1][0], qt[2 * kt + 1][1]);
+      qa[0][kt][3] = Pack2<T>::pack(qt[2 * kt + 1][2], qt[2 * kt + 1][3]);
+    }
+  }
+  float o[V / 8][4];
+  zero_acc(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  for (int c = 0; c < kNK; ++c) {
+    const int st = c & 1;
+    cp_async_wait_all();
+    __syncthreads();
+    if (c + 1 < kNK) load(c + 1, st ^ 1);
+    const T* Kst = Ks + st * kChunk * LK;
+    const T* Vst = Vs + st * kChunk * LV;
+    float s[8][4];
+    zero_acc(s);
+    if (VER == 0) {
+      warp_mma_rs<T, K / 16, 8, false>(s, qt, 1.f, Kst, LK, 0);
+    } else {
+      float s1[1][8][4];
+      zero_acc(s1);
+      warp_mma_pr<1, K / 16, 8, false>(s1, qa, Kst, LK);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = s1[0][nt][e];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
+    softmax16(s, m, l, alpha);
+    scale_rows(o, alpha);
+    warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
+  }
+  store_rows(a.o + (size_t(head) * kRows + tile * kChunk + 16 * warp) * V, o, l);
+}
+
+// v32: a 128-row query tile, 32 rows per warp; the queries staged in shared memory once.
+__global__ void __launch_bounds__(kThreads) far32_kernel(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + 2 * kChunk * LK;
+  T* Qs = Vs + 2 * kChunk * LV;  // [128][LK]
+  constexpr int kTile = 2 * kChunk;
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
+  const int warp = threadIdx.x >> 5;
+  const T* kp = a.k + size_t(head) * kKeys * K;
+  const T* vp = a.v + size_t(head) * kKeys * V;
+  const T* qp = a.q + (size_t(head) * kRows + tile * kTile) * K;
+  load_tile_async<K>(Qs, qp, K, kChunk);
+  load_tile_async<K>(Qs + kChunk * LK, qp + size_t(kChunk) * K, K, kChunk);
+  auto load = [&](int c, int st) {
+    load_tile_async<K>(Ks + st * kChunk * LK, kp + size_t(c) * kChunk * K, K, kChunk);
+    load_tile_async<V>(Vs + st * kChunk * LV, vp + size_t(c) * kChunk * V, V, kChunk);
+    cp_async_commit();
+  };
+  load(0, 0);
+  float o[2][V / 8][4];
+  zero_acc(o[0]);
+  zero_acc(o[1]);
+  float m[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}}, l[2][2] = {{0.f, 0.f}, {0.f, 0.f}}, alpha[2][2];
+  for (int c = 0; c < kNK; ++c) {
+    const int st = c & 1;
+    cp_async_wait_all();
+    __syncthreads();
+    if (c + 1 < kNK) load(c + 1, st ^ 1);
+    const T* Kst = Ks + st * kChunk * LK;
+    const T* Vst = Vs + st * kChunk * LV;
+    float s[2][8][4];
+    zero_acc(s);
+    warp_mma_ss<T, 2, 8, false, false>(s, Qs, LK, 32 * warp, Kst, LK, 0, K);
+    uint32_t pa[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= a.sl2;
+      softmax16(s[mt], m[mt], l[mt], alpha[mt]);
+      scale_rows(o[mt], alpha[mt]);
+      pack_p(pa[mt], s[mt]);
+    }
+    warp_mma_pr<2, 4, V / 8, true>(o, pa, Vst, LV);
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    store_rows(a.o + (size_t(head) * kRows + tile * kTile + 32 * warp + 16 * mt) * V, o[mt], l[mt]);
+}
+
+// Relative L2 of head 0's first 128 output rows against a host softmax over the same bf16 inputs.
+double check(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+             const std::vector<float>& o, float scale) {
+  double num = 0, den = 0;
+  std::vector<double> sc(kKeys), acc(V);
+  for (int r = 0; r < 2 * kChunk; ++r) {
+    double mx = -1e300;
+    for (int j = 0; j < kKeys; ++j) {
+      double d = 0;
+      for (int x = 0; x < K; ++x) d += double(q[size_t(r) * K + x]) * k[size_t(j) * K + x];
+      sc[j] = d * scale;
+      mx = std::max(mx, sc[j]);
+    }
+    double sum = 0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int j = 0; j < kKeys; ++j) {
+      const double p = std::exp(sc[j] - mx);
+      sum += p;
+      for (int x = 0; x < V; ++x) acc[x] += p * v[size_t(j) * V + x];
+    }
+    for (int x = 0; x < V; ++x) {
+      const double ref = acc[x] / sum, got = o[size_t(r) * V + x];
+      num += (got - ref) * (got - ref);
+      den += ref * ref;
+    }
+  }
+  return std::sqrt(num / den);
+}
+
+}  // namespace
+
+int main() {
+  const size_t nq = size_t(H) * kRows * K, nk = size_t(H) * kKeys * K, nv = size_t(H) * kKeys * V,
+               no = size_t(H) * kRows * V;
+  std::vector<T> hq(nq), hk(nk), hv(nv);
+  std::vector<float> fq(size_t(2 * kChunk) * K), fk(size_t(kKeys) * K), fv(size_t(kKeys) * V);
+  uint64_t st = 0x9E3779B97F4A7C15ull;
+  auto uni = [&]() {  // in [-1, 1)
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return float((st >> 40) * (2.0 / 16777216.0) - 1.0);
+  };
+  for (size_t i = 0; i < nq; ++i) hq[i] = __float2bfloat16_rn(2.f * uni());
+  for (size_t i = 0; i < nk; ++i) hk[i] = __float2bfloat16_rn(2.f * uni());
+  for (size_t i = 0; i < nv; ++i) hv[i] = __float2bfloat16_rn(uni());
+  for (size_t i = 0; i < fq.size(); ++i) fq[i] = __bfloat162float(hq[i]);
+  for (size_t i = 0; i < fk.size(); ++i) fk[i] = __bfloat162float(hk[i]);
+  for (size_t i = 0; i < fv.size(); ++i) fv[i] = __bfloat162float(hv[i]);
+  T *dq, *dk, *dv;
+  float* dout;
+  CK(cudaMalloc(&dq, nq * sizeof(T)));
+  CK(cudaMalloc(&dk, nk * sizeof(T)));
+  CK(cudaMalloc(&dv, nv * sizeof(T)));
+  CK(cudaMalloc(&dout, no * sizeof(float)));
+  CK(cudaMemcpy(dq, hq.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dk, hk.data(), nk * sizeof(T), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dv, hv.data(), nv * sizeof(T), cudaMemcpyHostToDevice));
+  const float scale = 1.f / std::sqrt(float(K));
+  const Args args{dq, dk, dv, dout, scale * 1.4426950408889634f};
+  const double flop = 4.0 * H * double(kRows) * kKeys * K;
+  std::printf("far loop: H %d x %d query rows x %d keys, K = V = %d, bf16 (%.2f TFLOP per run)\n", H, kRows, kKeys,
+              K, flop * 1e-12);
+
+  struct Ver {
+    const char* name;
+    void (*kern)(Args);
+    int rows;  // per CTA
+    size_t smem;
+  };
+  const Ver vers[] = {
+      {"v16  (16 rows / warp, q fp32 in registers, packed per chunk)", far16_kernel<0>, kChunk, kTileBytes},
+      {"v16p (16 rows / warp, q packed once)", far16_kernel<1>, kChunk, kTileBytes},
+      {"v32  (32 rows / warp, q in shared memory)", far32_kernel, 2 * kChunk,
+       kTileBytes + size_t(2 * kChunk) * LK * sizeof(T)},
+  };
+  bool ok = true;
+  std::vector<float> ho(size_t(2 * kChunk) * V);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (const Ver& ver : vers) {
+    CK(cudaFuncSetAttribute(ver.kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ver.smem)));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ver.kern, kThreads, ver.smem));
+    const unsigned grid = unsigned(size_t(H) * kRows / ver.rows);
+    CK(cudaMemset(dout, 0xff, no * sizeof(float)));  // NaN: every output must be written
+    ver.kern<<<grid, kThreads, ver.smem>>>(args);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(ho.data(), dout, ho.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    const double err = check(fq, fk, fv, ho, scale);
+    const bool pass = std::isfinite(err) && err <= 1e-2;
+    ok = ok && pass;
+    std::vector<float> ms;
+    for (int rep = 0; rep < 6; ++rep) {
+      CK(cudaEventRecord(e0));
+      ver.kern<<<grid, kThreads, ver.smem>>>(args);
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float t = 0.f;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      if (rep > 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const float med = ms[ms.size() / 2];
+    std::printf("%-62s %3d KB smem, %d CTAs / SM: %7.3f ms, %6.1f TFLOP/s, o rel L2 %.2e %s\n", ver.name,
+                int(ver.smem / 1024), per_sm, med, flop / (med * 1e-3) * 1e-12, err, pass ? "ok" : "FAIL");
+  }
+  std::printf(ok ? "all checks passed\n" : "CHECK FAILED\n");
+  return ok ? 0 : 1;
+}
