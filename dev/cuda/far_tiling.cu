@@ -9,14 +9,21 @@
 //   v16p: the same with the query fragments packed to bf16 once (registers), as a far loop could keep them
 //         between superblock steps;
 //   v32:  4 warps x 32 rows (128-row tile), the queries in shared memory and their fragments loaded per k-step
-//         (ldmatrix), each k / v fragment used for both m-tiles.
+//         (ldmatrix), each k / v fragment used for both m-tiles;
+//   vw:   one warpgroup, wgmma (sm_90a): S = Q K^T as m64n64k16 and O += P V as two m64n64k16 per 16 keys, the
+//         query and P fragments from registers, k~ and v read by the tensor cores from shared memory once per
+//         warpgroup (no ldmatrix). Tiles in the no-swizzle core-matrix layout (8 rows x 16 bytes contiguous);
+//         the descriptor's two byte offsets are taken as CUTLASS documents them (leading = between core
+//         matrices along K, stride = along M / N) in vw, and the other way round in vw-swapped: the check
+//         says which reading the hardware has (one of the two must pass).
 // Every version double-buffers the k / v tiles with cp.async (load_tile_async) as fwd_scan does.
 // Check: head 0's first 128 rows of each version against a host fp32 softmax over the same bf16 inputs
 // (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
 // work, H = 32 heads x 16384 query rows x 8192 keys (2.2 TFLOP, the attention forward's count at that shape),
 // median of 5 timed runs after a warm-up, with TFLOP/s.
 // Build and run (from the repository root):
-//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc dev/cuda/far_tiling.cu -o far_tiling && ./far_tiling
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc dev/cuda/far_tiling.cu -o far_tiling
+//   ./far_tiling
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -207,6 +214,130 @@ __global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
   store_rows(a.o + (size_t(head) * kRows + tile * kChunk + 16 * warp) * V, o, l);
 }
 
+// ---- wgmma (sm_90a).
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) | (uint64_t((sbo >> 4) & 0x3FFF) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Shared memory written through the generic proxy (cp.async, stores) made visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Ties accumulator registers to this point (after a wait, before a fence): the compiler may not move their
+// reads or writes across it.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d (the warpgroup's 64 x 64 fp32 tile; this warp's 16 rows in the mma.sync C layout, 8 n-blocks) += A B, with
+// A = this warp's 16 x 16 bf16 fragment in registers (the m16n8k16 A layout) and B (16 x 64) from a descriptor;
+// TNSPB = 1 reads B stored N-contiguous ([k][n]).
+template <int TNSPB>
+__device__ __forceinline__ void wg_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1), "n"(TNSPB));
+}
+
+// A 64 x D tile (row stride `stride` in global) into the no-swizzle core-matrix layout: row r's 16-byte segment
+// j (elements 8j .. 8j + 7) at byte ((r / 8) (D / 8) + j) 128 + (r % 8) 16. Core matrices along the row (the
+// D direction) are 128 bytes apart, along the rows (D / 8) 128 bytes apart.
+template <int D>
+__device__ __forceinline__ void load_core_async(T* dst, const T* src, int64_t stride) {
+  char* d = reinterpret_cast<char*>(dst);
+#pragma unroll
+  for (int i = threadIdx.x; i < kChunk * (D / 8); i += kThreads) {
+    const int r = i / (D / 8), j = i % (D / 8);
+    cp_async16(d + ((r / 8) * (D / 8) + j) * 128 + (r % 8) * 16, src + r * stride + 8 * j, true);
+  }
+}
+
+template <bool kSwap>
+__global__ void __launch_bounds__(kThreads) farw_kernel(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Kc = reinterpret_cast<T*>(smem);  // [2][64 * K], core-matrix layout
+  T* Vc = Kc + 2 * kChunk * K;         // [2][64 * V]
+  const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const T* kp = a.k + size_t(head) * kKeys * K;
+  const T* vp = a.v + size_t(head) * kKeys * V;
+  const T* qrow = a.q + (size_t(head) * kRows + tile * kChunk + 16 * warp) * K;
+  auto load = [&](int c, int st) {
+    load_core_async<K>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
+    load_core_async<V>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
+    cp_async_commit();
+  };
+  load(0, 0);
+  // Byte offsets between core matrices: k~ is K-major (K along the row), v is N-major (V along the row).
+  constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
+  const uint32_t k_lbo = kSwap ? kKRows : kAlongRow, k_sbo = kSwap ? kAlongRow : kKRows;
+  const uint32_t v_lbo = kSwap ? kAlongRow : kVRows, v_sbo = kSwap ? kVRows : kAlongRow;
+  uint32_t qa[K / 16][4];
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = g + 8 * (e & 1), c = 16 * kt + 2 * t + 8 * (e >> 1);
+      qa[kt][e] = Pack2<T>::pack(to_f(qrow[size_t(r) * K + c]), to_f(qrow[size_t(r) * K + c + 1]));
+    }
+  float o[V / 8][4];
+  zero_acc(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  for (int c = 0; c < kNK; ++c) {
+    const int st = c & 1;
+    cp_async_wait_all();
+    fence_async_smem();
+    __syncthreads();
+    if (c + 1 < kNK) load(c + 1, st ^ 1);
+    float s[8][4];
+    zero_acc(s);
+    const uint64_t dk = smem_desc(Kc + st * kChunk * K, k_lbo, k_sbo);
+    const uint64_t dv = smem_desc(Vc + st * kChunk * V, v_lbo, v_sbo);
+    fence_regs(s);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * kAlongRow) >> 4));
+    wg_commit();
+    wg_wait0();
+    fence_regs(s);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
+    softmax16(s, m, l, alpha);
+    scale_rows(o, alpha);
+    uint32_t pa[4][4];
+    pack_p(pa, s);
+    float(&o_lo)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[0][0]);
+    float(&o_hi)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8][0]);
+    fence_regs(o);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {  // 16 keys = two core-matrix rows of v; the halves of V 8 core matrices apart
+      wg_m64n64k16_rs<1>(o_lo, pa[kt], dv + ((2 * kt * kVRows) >> 4));
+      wg_m64n64k16_rs<1>(o_hi, pa[kt], dv + ((2 * kt * kVRows + 8 * kAlongRow) >> 4));
+    }
+    wg_commit();
+    wg_wait0();
+    fence_regs(o);
+  }
+  store_rows(a.o + (size_t(head) * kRows + tile * kChunk + 16 * warp) * V, o, l);
+}
+
 // v32: a 128-row query tile, 32 rows per warp; the queries staged in shared memory once.
 __global__ void __launch_bounds__(kThreads) far32_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -334,6 +465,10 @@ int main() {
       {"v16p (16 rows / warp, q packed once)", far16_kernel<1>, kChunk, kTileBytes},
       {"v32  (32 rows / warp, q in shared memory)", far32_kernel, 2 * kChunk,
        kTileBytes + size_t(2 * kChunk) * LK * sizeof(T)},
+      {"vw   (wgmma, offsets as CUTLASS documents them)", farw_kernel<false>, kChunk,
+       2 * size_t(kChunk) * (K + V) * sizeof(T)},
+      {"vw-swapped (wgmma, the two offsets exchanged)", farw_kernel<true>, kChunk,
+       2 * size_t(kChunk) * (K + V) * sizeof(T)},
   };
   bool ok = true;
   std::vector<float> ho(size_t(2 * kChunk) * V);
