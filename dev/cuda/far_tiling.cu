@@ -3,7 +3,7 @@
 // fwd_scan (and of bwd_q / bwd_k) holds 16 query rows per warp, so each k~ / v fragment a warp reads from
 // shared memory (ldmatrix) feeds one m-tile; FlashAttention-2 holds 32 rows per warp and halves those reads per
 // FLOP. The loop here is the far part alone (keys already transported: S = Q K^T, online softmax in base 2,
-// O += P V over 64-key chunks, bf16 operands, fp32 accumulation, no mask, no transport), in three versions:
+// O += P V over 64-key chunks, bf16 operands, fp32 accumulation, no mask, no transport), in these versions:
 //   v16:  4 warps x 16 rows (64-row tile), the query tile as fp32 in registers and packed to bf16 for every key
 //         chunk (warp_mma_rs), as fwd_scan does;
 //   v16p: the same with the query fragments packed to bf16 once (registers), as a far loop could keep them
@@ -17,19 +17,21 @@
 //         matrices along K, stride = along M / N) in vw, and the other way round in vw-swapped: the check
 //         says which reading the hardware has (one of the two must pass).
 // Every version double-buffers the k / v tiles with cp.async (load_tile_async) as fwd_scan does.
-// Check: head 0's first 128 rows of each version against a host fp32 softmax over the same bf16 inputs
+// Check: head 0's first 128 rows of each version against a host softmax (double) over the same bf16 inputs
 // (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
 // work, H = 32 heads x 16384 query rows x 8192 keys (2.2 TFLOP, the attention forward's count at that shape),
 // median of 5 timed runs after a warm-up, with TFLOP/s.
 // Build and run (from the repository root):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc dev/cuda/far_tiling.cu -o far_tiling
-//   ./far_tiling
+//   ./far_tiling            (or ./far_tiling vw-swapped: only the versions whose name starts with that; a
+//                           descriptor read the wrong way may fault, which ends the process)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -421,7 +423,8 @@ double check(const std::vector<float>& q, const std::vector<float>& k, const std
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const char* only = argc > 1 ? argv[1] : nullptr;  // run only the versions whose name starts with this
   const size_t nq = size_t(H) * kRows * K, nk = size_t(H) * kKeys * K, nv = size_t(H) * kKeys * V,
                no = size_t(H) * kRows * V;
   std::vector<T> hq(nq), hk(nk), hv(nv);
@@ -476,6 +479,7 @@ int main() {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   for (const Ver& ver : vers) {
+    if (only && std::strncmp(ver.name, only, std::strlen(only)) != 0) continue;
     CK(cudaFuncSetAttribute(ver.kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ver.smem)));
     int per_sm = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ver.kern, kThreads, ver.smem));
