@@ -267,6 +267,30 @@ __device__ __forceinline__ int2 item_and_head(int H) { return make_int2(int(bloc
 inline dim3 item_head_grid(int items, int H) { return dim3(unsigned(int64_t(items) * H)); }
 
 // ----------------------------------------------------------------------------------------------------
+// The scans' online-softmax step for a warp's 16 rows; s in log2 units, overwritten with exp2(s - m_new).
+__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m[hr], mx);
+    alpha[hr] = fast_exp2(m[hr] - mn);
+    m[hr] = mn;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - mn);
+      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - mn);
+      sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
+    }
+    l[hr] = l[hr] * alpha[hr] + sum;
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------
 // cp.async: 16-byte global -> shared copies; src_bytes = 0 zero-fills (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
@@ -398,29 +422,24 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
   }
 }
 
-// out(r, c, sum_k a(r, k) b(k, c)) for every output. Every warp finishes reading before any `out` runs (one
-// __syncthreads in between), so `out` may overwrite the operands. Callers sync before the next read.
-template <int M, int N, int KD, bool kX3, class FA, class FB, class FO>
-__device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
-  using TT = TcTile<M, N>;
-  typename TT::Acc acc;
-  TT::zero(acc);
-  mma_tc_acc<M, N, KD, kX3>(acc, a, b);
-  __syncthreads();
-  TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
-}
-
-// The same over a stacked inner dimension, [A1 | A2] [B1 ; B2]: two passes into one accumulator, so no
-// per-element select between the halves.
+// out(r, c, sum_k a1(r, k) b1(k, c) + sum_k a2(r, k) b2(k, c)) for every output: a product over a stacked inner
+// dimension [A1 | A2] [B1 ; B2] as two passes into one accumulator (no per-element select between the halves).
+// Every warp finishes reading before any `out` runs (one __syncthreads in between), so `out` may overwrite the
+// operands. Callers sync before the next read.
 template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO>
 __device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out) {
   using TT = TcTile<M, N>;
   typename TT::Acc acc;
   TT::zero(acc);
   mma_tc_acc<M, N, KD1, kX3>(acc, a1, b1);
-  mma_tc_acc<M, N, KD2, kX3>(acc, a2, b2);
+  if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3>(acc, a2, b2);
   __syncthreads();
   TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
+}
+// out(r, c, sum_k a(r, k) b(k, c)): the same with one inner dimension.
+template <int M, int N, int KD, bool kX3, class FA, class FB, class FO>
+__device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
+  block_mm_tc2<M, N, KD, 0, kX3>(a, b, a, b, out);
 }
 
 // Four consecutive elements at p as floats: one 8-byte (16-bit types) or 16-byte (fp32) load when vec (p

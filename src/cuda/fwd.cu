@@ -24,29 +24,6 @@ struct FwdSmem {
                                        size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
 };
 
-// Online-softmax step for a warp's 16 rows; s in log2 units, overwritten with exp2(s - m_new).
-__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mn = fmaxf(m[hr], mx);
-    alpha[hr] = fast_exp2(m[hr] - mn);
-    m[hr] = mn;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - mn);
-      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - mn);
-      sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
-    }
-    l[hr] = l[hr] * alpha[hr] + sum;
-  }
-}
-
 template <typename T, int K, int V>
 __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
   using S = FwdSmem<T, K, V>;
