@@ -36,17 +36,10 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernel_params.h"
+#include "tf32_nt.cuh"  // CK
 
 using namespace pathattn::cuda;
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 namespace {
 
@@ -62,29 +55,6 @@ struct Args {
   float* o;    // [H][kRows][V]
   float sl2;   // scale * log2(e)
 };
-
-// Online-softmax step for one 16-row m-tile (s in log2 units, overwritten with exp2(s - m_new)).
-__device__ __forceinline__ void softmax16(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mn = fmaxf(m[hr], mx);
-    alpha[hr] = fast_exp2(m[hr] - mn);
-    m[hr] = mn;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - mn);
-      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - mn);
-      sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
-    }
-    l[hr] = l[hr] * alpha[hr] + sum;
-  }
-}
 
 __device__ __forceinline__ void scale_rows(float (&o)[V / 8][4], const float (&alpha)[2]) {
 #pragma unroll
@@ -137,15 +107,26 @@ __device__ __forceinline__ void warp_mma_pr(float (&acc)[MT][NT][4], const uint3
   }
 }
 
-// P (a 16 x 64 tile of probabilities in the C layout, 8 n-tiles) packed as four k-steps of A fragments.
-__device__ __forceinline__ void pack_p(uint32_t (&a)[4][4], const float (&s)[8][4]) {
+// A warp's 16 x (16 KT) fp32 tile in the C layout (2 KT n-tiles: query rows, or probabilities P) packed as
+// KT k-steps of m16n8k16 A fragments, as warp_mma_rs packs its source.
+template <int KT>
+__device__ __forceinline__ void pack_frags(uint32_t (&a)[KT][4], const float (&s)[2 * KT][4]) {
 #pragma unroll
-  for (int kt = 0; kt < 4; ++kt) {
+  for (int kt = 0; kt < KT; ++kt) {
     a[kt][0] = Pack2<T>::pack(s[2 * kt][0], s[2 * kt][1]);
     a[kt][1] = Pack2<T>::pack(s[2 * kt][2], s[2 * kt][3]);
     a[kt][2] = Pack2<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
     a[kt][3] = Pack2<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
   }
+}
+
+// This warp's 16 query rows (row0 = the tile's first row in global memory) in the C layout, fp32.
+__device__ __forceinline__ void load_query_rows(float (&qt)[K / 8][4], const T* row0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qt[nt][e] = to_f(row0[size_t(g + 8 * (e >> 1)) * K + 8 * nt + 2 * t + (e & 1)]);
 }
 
 constexpr size_t kTileBytes = 2 * (size_t(kChunk) * LK + size_t(kChunk) * LV) * sizeof(T);
@@ -156,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + 2 * kChunk * LK;
   const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const T* kp = a.k + size_t(head) * kKeys * K;
   const T* vp = a.v + size_t(head) * kKeys * V;
   const T* qrow = a.q + (size_t(head) * kRows + tile * kChunk + 16 * warp) * K;
@@ -169,19 +150,8 @@ __global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
   // The query tile: fp32 (v16, as fwd_scan's q~ state) or packed once (v16p).
   float qt[K / 8][4];
   uint32_t qa[1][K / 16][4];
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) qt[nt][e] = to_f(qrow[size_t(g + 8 * (e >> 1)) * K + 8 * nt + 2 * t + (e & 1)]);
-  if (VER == 1) {
-#pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt) {
-      qa[0][kt][0] = Pack2<T>::pack(qt[2 * kt][0], qt[2 * kt][1]);
-      qa[0][kt][1] = Pack2<T>::pack(qt[2 * kt][2], qt[2 * kt][3]);
-      qa[0][kt][2] = Pack2<T>::pack(qt[2 * kt + 1][0], qt[2 * kt + 1][1]);
-      qa[0][kt][3] = Pack2<T>::pack(qt[2 * kt + 1][2], qt[2 * kt + 1][3]);
-    }
-  }
+  load_query_rows(qt, qrow);
+  if (VER == 1) pack_frags<K / 16>(qa[0], qt);
   float o[V / 8][4];
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
@@ -209,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
-    softmax16(s, m, l, alpha);
+    softmax_step(s, m, l, alpha);
     scale_rows(o, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
   }
@@ -274,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) farw_kernel(Args a) {
   T* Kc = reinterpret_cast<T*>(smem);  // [2][64 * K], core-matrix layout
   T* Vc = Kc + 2 * kChunk * K;         // [2][64 * V]
   const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const T* kp = a.k + size_t(head) * kKeys * K;
   const T* vp = a.v + size_t(head) * kKeys * V;
   const T* qrow = a.q + (size_t(head) * kRows + tile * kChunk + 16 * warp) * K;
@@ -289,13 +259,11 @@ __global__ void __launch_bounds__(kThreads) farw_kernel(Args a) {
   const uint32_t k_lbo = kSwap ? kKRows : kAlongRow, k_sbo = kSwap ? kAlongRow : kKRows;
   const uint32_t v_lbo = kSwap ? kAlongRow : kVRows, v_sbo = kSwap ? kVRows : kAlongRow;
   uint32_t qa[K / 16][4];
-#pragma unroll
-  for (int kt = 0; kt < K / 16; ++kt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = g + 8 * (e & 1), c = 16 * kt + 2 * t + 8 * (e >> 1);
-      qa[kt][e] = Pack2<T>::pack(to_f(qrow[size_t(r) * K + c]), to_f(qrow[size_t(r) * K + c + 1]));
-    }
+  {
+    float qt[K / 8][4];
+    load_query_rows(qt, qrow);
+    pack_frags<K / 16>(qa, qt);
+  }
   float o[V / 8][4];
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
@@ -320,10 +288,10 @@ __global__ void __launch_bounds__(kThreads) farw_kernel(Args a) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
-    softmax16(s, m, l, alpha);
+    softmax_step(s, m, l, alpha);
     scale_rows(o, alpha);
     uint32_t pa[4][4];
-    pack_p(pa, s);
+    pack_frags<4>(pa, s);
     float(&o_lo)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[0][0]);
     float(&o_hi)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8][0]);
     fence_regs(o);
@@ -381,9 +349,9 @@ __global__ void __launch_bounds__(kThreads) far32_kernel(Args a) {
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] *= a.sl2;
-      softmax16(s[mt], m[mt], l[mt], alpha[mt]);
+      softmax_step(s[mt], m[mt], l[mt], alpha[mt]);
       scale_rows(o[mt], alpha[mt]);
-      pack_p(pa[mt], s[mt]);
+      pack_frags<4>(pa[mt], s[mt]);
     }
     warp_mma_pr<2, 4, V / 8, true>(o, pa, Vst, LV);
   }
