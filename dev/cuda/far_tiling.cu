@@ -56,16 +56,6 @@ struct Args {
   float sl2;   // scale * log2(e)
 };
 
-__device__ __forceinline__ void scale_rows(float (&o)[V / 8][4], const float (&alpha)[2]) {
-#pragma unroll
-  for (int nt = 0; nt < V / 8; ++nt) {
-    o[nt][0] *= alpha[0];
-    o[nt][1] *= alpha[0];
-    o[nt][2] *= alpha[1];
-    o[nt][3] *= alpha[1];
-  }
-}
-
 // o (16 rows of a warp) / l to global, fp32.
 __device__ __forceinline__ void store_rows(float* orow0, const float (&o)[V / 8][4], const float (&l)[2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;

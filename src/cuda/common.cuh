@@ -290,6 +290,18 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], fl
   }
 }
 
+// Rescales a warp's 16-row accumulator tile (C layout, NT n-tiles) by the softmax step's per-row factors.
+template <int NT>
+__device__ __forceinline__ void scale_rows(float (&o)[NT][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    o[nt][0] *= alpha[0];
+    o[nt][1] *= alpha[0];
+    o[nt][2] *= alpha[1];
+    o[nt][3] *= alpha[1];
+  }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // cp.async: 16-byte global -> shared copies; src_bytes = 0 zero-fills (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {

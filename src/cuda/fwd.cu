@@ -138,13 +138,7 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gks[8 * nt + 2 * t4 + (e & 1)] * gl2;
     softmax_step(s, m, l, alpha);
-#pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt) {
-      o[nt][0] *= alpha[0];
-      o[nt][1] *= alpha[0];
-      o[nt][2] *= alpha[1];
-      o[nt][3] *= alpha[1];
-    }
+    scale_rows(o, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
     if (cross_chunk) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
       cp_async_wait_group<1>();  // w16 / w2h of chunk kc landed (the next k~, v may still be in flight)
