@@ -38,6 +38,11 @@ def ptr(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+def set_workspace_limit(nbytes):
+    """The workspace limit of the following calls (0: the library's default; -1: none)."""
+    LIB.pathattn_cuda_set_workspace_limit(ctypes.c_int64(nbytes))
+
+
 def ours_fwd(q, k, v, w, beta, g, o, lse):
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[3]
@@ -173,9 +178,13 @@ def main():
 
     # ---- speed.
     lines.append("\n## Speed (ms; ratio = time / time of cuDNN or FLA)\n")
+    lines.append("Ours at the library's default workspace limit (a call whose workspace would exceed the larger of "
+                 "256 MiB and the bytes of q, k, v runs in slices of kv heads / batch rows); the last two columns "
+                 "time the same call with no limit (workspace_limit = -1, one slice).\n")
     lines.append("| K | HQ:H | gate | T | cuDNN fwd | flash fwd | FLA fwd | ours fwd | cuDNN f+b | FLA f+b | ours f+b | "
-                 "ours/cuDNN fwd | ours/FLA fwd | ours/cuDNN f+b | ours/FLA f+b |")
-    lines.append("|" + "---|" * 15)
+                 "ours/cuDNN fwd | ours/FLA fwd | ours/cuDNN f+b | ours/FLA f+b | ours f+b, no limit | "
+                 "no limit / FLA f+b |")
+    lines.append("|" + "---|" * 17)
     Ts = [int(x) for x in args.Ts.split(",")]
     configs = [] if args.extra_only else [(128, 16, 16, False), (64, 32, 32, False)]
     if not args.quick:
@@ -200,6 +209,9 @@ def main():
             r = {}
             r["ours_f"] = do_bench(f_ours, warmup=25, rep=100, return_mode="median")
             r["ours_fb"] = do_bench(fb_ours, warmup=25, rep=100, return_mode="median")
+            set_workspace_limit(-1)
+            r["ours_fb_nl"] = do_bench(fb_ours, warmup=25, rep=100, return_mode="median")
+            set_workspace_limit(0)
             qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
             if HQ != H:
                 ks = ks.repeat_interleave(HQ // H, dim=1)
@@ -238,14 +250,17 @@ def main():
             row = (f"| {K} | {HQ}:{H} | {gate} | {T} | {g_('cudnn_f'):.2f} | {g_('flash_f'):.2f} | {g_('fla_f'):.2f} | "
                    f"{g_('ours_f'):.2f} | {g_('cudnn_fb'):.2f} | {g_('fla_fb'):.2f} | {g_('ours_fb'):.2f} | "
                    f"{g_('ours_f') / g_('cudnn_f'):.2f} | {g_('ours_f') / g_('fla_f'):.2f} | "
-                   f"{g_('ours_fb') / g_('cudnn_fb'):.2f} | {g_('ours_fb') / g_('fla_fb'):.2f} |")
+                   f"{g_('ours_fb') / g_('cudnn_fb'):.2f} | {g_('ours_fb') / g_('fla_fb'):.2f} | "
+                   f"{g_('ours_fb_nl'):.2f} | {g_('ours_fb_nl') / g_('fla_fb'):.2f} |")
             lines.append(row)
             print(row, flush=True)
-            if args.profile:
+            if args.profile:  # per kernel, one slice (no limit)
+                set_workspace_limit(-1)
                 os.environ["PATHATTN_CUDA_PROFILE"] = "1"
                 fb_ours()
                 torch.cuda.synchronize()
                 del os.environ["PATHATTN_CUDA_PROFILE"]
+                set_workspace_limit(0)
             del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
             torch.cuda.empty_cache()
 

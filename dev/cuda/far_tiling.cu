@@ -10,21 +10,22 @@
 //         between superblock steps;
 //   v32:  4 warps x 32 rows (128-row tile), the queries in shared memory and their fragments loaded per k-step
 //         (ldmatrix), each k / v fragment used for both m-tiles;
+//   v16x2: v16 with 8 warps sharing the k / v tiles (a 128-row tile): whether sharing tiles between more
+//         rows helps without the 32-row register tiling;
 //   vw:   one warpgroup, wgmma (sm_90a): S = Q K^T as m64n64k16 and O += P V as two m64n64k16 per 16 keys, the
 //         query and P fragments from registers, k~ and v read by the tensor cores from shared memory once per
 //         warpgroup (no ldmatrix). Tiles in the no-swizzle core-matrix layout (8 rows x 16 bytes contiguous);
-//         the descriptor's two byte offsets are taken as CUTLASS documents them (leading = between core
-//         matrices along K, stride = along M / N) in vw, and the other way round in vw-swapped: the check
-//         says which reading the hardware has (one of the two must pass).
-// Every version double-buffers the k / v tiles with cp.async (load_tile_async) as fwd_scan does.
+//         the descriptor's leading offset is the one along K, its stride offset along M / N (CUTLASS's
+//         reading; the other one faults);
+//   vw2:  vw with two warpgroups (128 query rows) sharing the tiles.
+// Every version double-buffers the k / v tiles with cp.async (load_tile_async, load_core_async) as fwd_scan does.
 // Check: head 0's first 128 rows of each version against a host softmax (double) over the same bf16 inputs
 // (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
 // work, H = 32 heads x 16384 query rows x 8192 keys (2.2 TFLOP, the attention forward's count at that shape),
 // median of 5 timed runs after a warm-up, with TFLOP/s.
 // Build and run (from the repository root):
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc dev/cuda/far_tiling.cu -o far_tiling
-//   ./far_tiling            (or ./far_tiling vw-swapped: only the versions whose name starts with that; a
-//                           descriptor read the wrong way may fault, which ends the process)
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda dev/cuda/far_tiling.cu -o far_tiling
+//   ./far_tiling            (or ./far_tiling v16: only the versions whose name starts with that)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -121,19 +122,22 @@ __device__ __forceinline__ void load_query_rows(float (&qt)[K / 8][4], const T* 
 
 constexpr size_t kTileBytes = 2 * (size_t(kChunk) * LK + size_t(kChunk) * LV) * sizeof(T);
 
-template <int VER>  // 0: v16, 1: v16p
-__global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
+template <int VER>  // 0: v16, 1: v16p, 2: v16x2 (v16 with 8 warps sharing the k / v tiles: a 128-row tile)
+__global__ void __launch_bounds__(VER == 2 ? 2 * kThreads : kThreads) far16_kernel(Args a) {
+  constexpr int kTile = VER == 2 ? 2 * kChunk : kChunk;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + 2 * kChunk * LK;
-  const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
   const int warp = threadIdx.x >> 5;
   const T* kp = a.k + size_t(head) * kKeys * K;
   const T* vp = a.v + size_t(head) * kKeys * V;
-  const T* qrow = a.q + (size_t(head) * kRows + tile * kChunk + 16 * warp) * K;
+  const T* qrow = a.q + (size_t(head) * kRows + tile * kTile + 16 * warp) * K;
   auto load = [&](int c, int st) {
-    load_tile_async<K>(Ks + st * kChunk * LK, kp + size_t(c) * kChunk * K, K, kChunk);
-    load_tile_async<V>(Vs + st * kChunk * LV, vp + size_t(c) * kChunk * V, V, kChunk);
+    if (VER != 2 || warp < 4)
+      load_tile_async<K>(Ks + st * kChunk * LK, kp + size_t(c) * kChunk * K, K, kChunk, threadIdx.x & 127);
+    if (VER != 2 || warp >= 4)
+      load_tile_async<V>(Vs + st * kChunk * LV, vp + size_t(c) * kChunk * V, V, kChunk, threadIdx.x & 127);
     cp_async_commit();
   };
   load(0, 0);
@@ -154,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
     const T* Vst = Vs + st * kChunk * LV;
     float s[8][4];
     zero_acc(s);
-    if (VER == 0) {
+    if (VER != 1) {
       warp_mma_rs<T, K / 16, 8, false>(s, qt, 1.f, Kst, LK, 0);
     } else {
       float s1[1][8][4];
@@ -173,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) far16_kernel(Args a) {
     scale_rows(o, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
   }
-  store_rows(a.o + (size_t(head) * kRows + tile * kChunk + 16 * warp) * V, o, l);
+  store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
 }
 
 // ---- wgmma (sm_90a).
@@ -217,37 +221,43 @@ __device__ __forceinline__ void wg_m64n64k16_rs(float (&d)[8][4], const uint32_t
 
 // A 64 x D tile (row stride `stride` in global) into the no-swizzle core-matrix layout: row r's 16-byte segment
 // j (elements 8j .. 8j + 7) at byte ((r / 8) (D / 8) + j) 128 + (r % 8) 16. Core matrices along the row (the
-// D direction) are 128 bytes apart, along the rows (D / 8) 128 bytes apart.
-template <int D>
+// D direction) are 128 bytes apart, along the rows (D / 8) 128 bytes apart. Copy i of the NT threads goes to
+// byte 16 i: a warp writes 512 contiguous bytes (four core matrices) and reads 8 rows x 64 bytes. (Copies
+// taken row by row, 16 consecutive segments of one row per half warp, scatter a warp's destinations over 16
+// core matrices; L1 then fetched every sector from L2 twice: measured, NOTES v3.12.)
+template <int D, int NT>
 __device__ __forceinline__ void load_core_async(T* dst, const T* src, int64_t stride) {
   char* d = reinterpret_cast<char*>(dst);
 #pragma unroll
-  for (int i = threadIdx.x; i < kChunk * (D / 8); i += kThreads) {
-    const int r = i / (D / 8), j = i % (D / 8);
-    cp_async16(d + ((r / 8) * (D / 8) + j) * 128 + (r % 8) * 16, src + r * stride + 8 * j, true);
+  for (int i = threadIdx.x; i < kChunk * (D / 8); i += NT) {
+    const int cm = i >> 3, r = (cm / (D / 8)) * 8 + (i & 7), j = cm % (D / 8);
+    cp_async16(d + 16 * i, src + r * stride + 8 * j, true);
   }
 }
 
-template <bool kSwap>
-__global__ void __launch_bounds__(kThreads) farw_kernel(Args a) {
+// WG warpgroups, each its own 64 query rows (a 64 WG-row tile), sharing the k~ / v tiles.
+template <int WG>
+__global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
+  constexpr int NT = 128 * WG, kTile = 64 * WG;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Kc = reinterpret_cast<T*>(smem);  // [2][64 * K], core-matrix layout
   T* Vc = Kc + 2 * kChunk * K;         // [2][64 * V]
-  const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
   const int warp = threadIdx.x >> 5;
   const T* kp = a.k + size_t(head) * kKeys * K;
   const T* vp = a.v + size_t(head) * kKeys * V;
-  const T* qrow = a.q + (size_t(head) * kRows + tile * kChunk + 16 * warp) * K;
+  const T* qrow = a.q + (size_t(head) * kRows + tile * kTile + 16 * warp) * K;
   auto load = [&](int c, int st) {
-    load_core_async<K>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
-    load_core_async<V>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
+    load_core_async<K, NT>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
+    load_core_async<V, NT>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
     cp_async_commit();
   };
   load(0, 0);
-  // Byte offsets between core matrices: k~ is K-major (K along the row), v is N-major (V along the row).
+  // Byte offsets between core matrices: k~ is K-major (K along the row), v is N-major (V along the row). The
+  // descriptor's leading offset is the one along K (the inner dimension), its stride offset along M / N, as
+  // CUTLASS documents them (the other reading faults: NOTES v3.12).
   constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
-  const uint32_t k_lbo = kSwap ? kKRows : kAlongRow, k_sbo = kSwap ? kAlongRow : kKRows;
-  const uint32_t v_lbo = kSwap ? kAlongRow : kVRows, v_sbo = kSwap ? kVRows : kAlongRow;
+  constexpr uint32_t k_lbo = kAlongRow, k_sbo = kKRows, v_lbo = kVRows, v_sbo = kAlongRow;
   uint32_t qa[K / 16][4];
   {
     float qt[K / 8][4];
@@ -295,7 +305,7 @@ __global__ void __launch_bounds__(kThreads) farw_kernel(Args a) {
     wg_wait0();
     fence_regs(o);
   }
-  store_rows(a.o + (size_t(head) * kRows + tile * kChunk + 16 * warp) * V, o, l);
+  store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
 }
 
 // v32: a 128-row query tile, 32 rows per warp; the queries staged in shared memory once.
@@ -420,16 +430,17 @@ int main(int argc, char** argv) {
     void (*kern)(Args);
     int rows;  // per CTA
     size_t smem;
+    int threads = kThreads;
   };
   const Ver vers[] = {
       {"v16  (16 rows / warp, q fp32 in registers, packed per chunk)", far16_kernel<0>, kChunk, kTileBytes},
       {"v16p (16 rows / warp, q packed once)", far16_kernel<1>, kChunk, kTileBytes},
+      {"v16x2 (v16 with 8 warps, 128-row tile)", far16_kernel<2>, 2 * kChunk, kTileBytes, 2 * kThreads},
       {"v32  (32 rows / warp, q in shared memory)", far32_kernel, 2 * kChunk,
        kTileBytes + size_t(2 * kChunk) * LK * sizeof(T)},
-      {"vw   (wgmma, offsets as CUTLASS documents them)", farw_kernel<false>, kChunk,
-       2 * size_t(kChunk) * (K + V) * sizeof(T)},
-      {"vw-swapped (wgmma, the two offsets exchanged)", farw_kernel<true>, kChunk,
-       2 * size_t(kChunk) * (K + V) * sizeof(T)},
+      {"vw   (wgmma, one warpgroup, 64-row tile)", farw_kernel<1>, kChunk, 2 * size_t(kChunk) * (K + V) * sizeof(T)},
+      {"vw2  (wgmma, two warpgroups, 128-row tile)", farw_kernel<2>, 2 * kChunk,
+       2 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
   };
   bool ok = true;
   std::vector<float> ho(size_t(2 * kChunk) * V);
@@ -440,10 +451,10 @@ int main(int argc, char** argv) {
     if (only && std::strncmp(ver.name, only, std::strlen(only)) != 0) continue;
     CK(cudaFuncSetAttribute(ver.kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ver.smem)));
     int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ver.kern, kThreads, ver.smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ver.kern, ver.threads, ver.smem));
     const unsigned grid = unsigned(size_t(H) * kRows / ver.rows);
     CK(cudaMemset(dout, 0xff, no * sizeof(float)));  // NaN: every output must be written
-    ver.kern<<<grid, kThreads, ver.smem>>>(args);
+    ver.kern<<<grid, ver.threads, ver.smem>>>(args);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(ho.data(), dout, ho.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -453,7 +464,7 @@ int main(int argc, char** argv) {
     std::vector<float> ms;
     for (int rep = 0; rep < 6; ++rep) {
       CK(cudaEventRecord(e0));
-      ver.kern<<<grid, kThreads, ver.smem>>>(args);
+      ver.kern<<<grid, ver.threads, ver.smem>>>(args);
       CK(cudaEventRecord(e1));
       CK(cudaEventSynchronize(e1));
       float t = 0.f;

@@ -26,8 +26,12 @@ def main():
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--no-time", action="store_true", help="one forward and one backward only (profilers)")
+    ap.add_argument("--ws-limit-mib", type=int, default=0,
+                    help="the calls' workspace limit in MiB (0: the library's default, -1: none)")
     a = ap.parse_args()
     gb.load_lib(a.lib)
+    gb.set_workspace_limit(a.ws_limit_mib * 2**20)
+    gb.LIB.pathattn_cuda_pool_high_water.restype = ctypes.c_int64
     K, T = a.K, a.T
     HQ = H = 2048 // K
     B = max(1, a.tokens // T)
@@ -37,9 +41,12 @@ def main():
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
     dg = torch.empty_like(g) if g is not None else None
+    gb.LIB.pathattn_cuda_pool_high_water(1)
     gb.ours_fwd(q, k, v, w, beta, g, o, lse)
     gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
     torch.cuda.synchronize()
+    print(f"workspace high-water {gb.LIB.pathattn_cuda_pool_high_water(0) / 2**20:.0f} MiB "
+          f"(limit {'default' if a.ws_limit_mib == 0 else a.ws_limit_mib})", flush=True)
     if a.no_time:
         return
     n = min(a.check_rows, T)

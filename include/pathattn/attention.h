@@ -60,6 +60,12 @@ struct PathFwdParams {
   int chunk_size = 0;    // CPU fast path: 0 = tuned default; must be a multiple of 8 otherwise
   bool validate = false; // also reject non-finite inputs, beta outside [0, 2], | ||w|| - 1 | > 1e-2
   void* stream = nullptr;  // cudaStream_t for the CUDA backend; nullptr = default stream
+  // CUDA: bytes of workspace the call may hold at once. The CUDA backend keeps per-token intermediates (about
+  // 1 KB (forward) / 3 KB (backward) per token and kv head at K = 64, twice that at K = 128); when they would
+  // exceed the limit it runs the call in slices of kv heads (then of batch rows), one after another, each with
+  // its own workspace. 0 = default, the larger of 256 MiB and the bytes of q, k and v; < 0 = no limit (one
+  // slice, fastest). A single (batch row, kv head) slice is never split further.
+  int64_t workspace_limit = 0;
 };
 
 struct PathBwdParams {
@@ -84,6 +90,7 @@ struct PathBwdParams {
   bool deterministic = false;  // CPU backends are always deterministic; CUDA: bitwise-reproducible mode
   bool validate = false;
   void* stream = nullptr;
+  int64_t workspace_limit = 0;  // as in PathFwdParams
 };
 
 // The backward's parameters for the forward call f: its inputs, scales, outputs o / lse and execution settings
@@ -94,7 +101,7 @@ inline PathBwdParams bwd_params_for(const PathFwdParams& f) {
   b.scale = f.scale, b.gate_scale = f.gate_scale;
   b.o = f.o, b.lse = f.lse;
   b.backend = f.backend, b.num_threads = f.num_threads, b.chunk_size = f.chunk_size, b.validate = f.validate;
-  b.stream = f.stream;
+  b.stream = f.stream, b.workspace_limit = f.workspace_limit;
   return b;
 }
 

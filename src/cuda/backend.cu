@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -89,7 +90,7 @@ void fill_inputs(KernelParams& kp, const core::Problem& pr, const TensorView& q,
 }
 
 // Device copies of the tables plus the forward's workspace (also recomputed by the backward).
-Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, cudaStream_t s,
+Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr,
                     int32_t** seq_first_dev) {
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K;
   ChunkDesc* chunks = nullptr;
@@ -97,9 +98,9 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   PA_CU(ws.alloc(&chunks, t.chunks.size()));
   PA_CU(ws.alloc(&order, t.order.size()));
   PA_CU(ws.alloc(&sf, t.seq_first.size()));
-  PA_CU(cudaMemcpyAsync(chunks, t.chunks.data(), t.chunks.size() * sizeof(ChunkDesc), cudaMemcpyHostToDevice, s));
-  PA_CU(cudaMemcpyAsync(order, t.order.data(), t.order.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-  PA_CU(cudaMemcpyAsync(sf, t.seq_first.data(), t.seq_first.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  PA_CU(ws.upload(chunks, t.chunks.data(), t.chunks.size() * sizeof(ChunkDesc)));
+  PA_CU(ws.upload(order, t.order.data(), t.order.size() * sizeof(int32_t)));
+  PA_CU(ws.upload(sf, t.seq_first.data(), t.seq_first.size() * sizeof(int32_t)));
   kp.chunks = chunks;
   kp.order = order;
   kp.nchunks = int(t.chunks.size());
@@ -117,13 +118,13 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
 }
 
 // Two-level scan (PaTH only): the superblock table, keys moved to their superblock's end, superblock products.
-Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, cudaStream_t s) {
+Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr) {
   kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
   if (kp.nsuper == 0) return Status::Ok();
   const size_t NT = size_t(pr.B) * pr.T;
   int32_t* sf = nullptr;
   PA_CU(ws.alloc(&sf, t.super_first.size()));
-  PA_CU(cudaMemcpyAsync(sf, t.super_first.data(), t.super_first.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  PA_CU(ws.upload(sf, t.super_first.data(), t.super_first.size() * sizeof(int32_t)));
   kp.super_first = sf;
   __half* ks = nullptr;
   PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
@@ -172,12 +173,11 @@ class Profile {
 
 const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
-Status fwd(const PathFwdParams& p, const core::Problem& pr) {
-  PA_TRY(check_support(pr, p.q.dtype));
-  PA_TRY(check_row_copies(p.v, "v"));
-  PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
-  PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
-  PA_TRY(check_smem(smem_fwd_scan(int(pr.K), int(pr.V)), "forward"));
+namespace {
+
+// One forward over the whole of p / pr (a slice of the call): allocates its workspace from ws and, unless
+// ws is measuring, launches the kernels.
+Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   const Tables t = build_tables(pr);
@@ -187,10 +187,10 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   strides3(p.o, kp.o_s);
   kp.lse = p.lse.present() ? static_cast<float*>(p.lse.data) : nullptr;
   if (kp.lse) strides3(p.lse, kp.lse_s);
-  Workspace ws(s);
   int32_t* seq_first = nullptr;
-  PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
-  PA_TRY(alloc_super(ws, kp, t, pr, s));
+  PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
+  PA_TRY(alloc_super(ws, kp, t, pr));
+  if (ws.measuring()) return Status::Ok();
   Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
   PA_CU(launch_chunk_prep(kp, dt, s));
@@ -202,16 +202,8 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   return Status::Ok();
 }
 
-Status bwd(const PathBwdParams& p, const core::Problem& pr) {
-  PA_TRY(check_support(pr, p.q.dtype));
-  PA_TRY(check_row_copies(p.v, "v"));
-  PA_TRY(check_row_copies(p.do_, "do"));
-  PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
-  PA_TRY(check_smem(smem_bwd_q(int(pr.K), int(pr.V)), "backward (query side)"));
-  PA_TRY(check_smem(smem_bwd_k(int(pr.K), int(pr.V)), "backward (key side)"));
-  PA_TRY(check_smem(smem_bwd_chunk(int(pr.K)), "backward (chunk)"));
-  PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
-  PA_TRY(check_smem(smem_super_bwd(int(pr.K)), "superblock backward"));
+// One backward over the whole of p / pr, as fwd_run.
+Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   const Tables t = build_tables(pr);
@@ -241,9 +233,8 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   }
   kp.deterministic = p.deterministic;
 
-  Workspace ws(s);
   int32_t* seq_first = nullptr;
-  PA_TRY(alloc_common(ws, kp, t, pr, s, &seq_first));
+  PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, NT * HQ * K));
@@ -254,10 +245,10 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   if (pr.gate) {
     PA_CU(ws.alloc(&kp.dgrow, NT * HQ));
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
-    PA_CU(cudaMemsetAsync(kp.dgcol, 0, NT * HQ * sizeof(float), s));
+    PA_CU(ws.zero(kp.dgcol, NT * HQ * sizeof(float)));
   }
-  PA_CU(cudaMemsetAsync(kp.dP, 0, size_t(kp.nchunks) * H * K * K * sizeof(float), s));
-  PA_TRY(alloc_super(ws, kp, t, pr, s));
+  PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
+  PA_TRY(alloc_super(ws, kp, t, pr));
   // Superblock-backward grid: one CTA per SM (each with a scratch of kSuperChunks x K x K floats).
   int sb_grid = 0;
   if (kp.nsuper > 0) {
@@ -271,8 +262,8 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
     PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
     PA_CU(ws.alloc(&kp.sscr, size_t(sb_grid) * kSuperChunks * K * K));
-    PA_CU(cudaMemsetAsync(kp.dks, 0, NT * H * K * sizeof(float), s));
-    PA_CU(cudaMemsetAsync(kp.dps, 0, size_t(kp.nsuper) * H * K * K * sizeof(float), s));
+    PA_CU(ws.zero(kp.dks, NT * H * K * sizeof(float)));
+    PA_CU(ws.zero(kp.dps, size_t(kp.nsuper) * H * K * K * sizeof(float)));
   }
 
   // Persistent grids: scratch_slots snapshots of C x K (16-bit) per CTA.
@@ -284,6 +275,7 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
   kp.scratch_slots = scratch_slot_count(kp.max_chunks, pr.path);
   PA_CU(ws.alloc(&kp.scratch, size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K));
+  if (ws.measuring()) return Status::Ok();
 
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
@@ -306,6 +298,205 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   prof.mark("bwd_chunk");
   if (pr.gate) PA_CU(launch_bwd_dg(kp, seq_first, nseqs, s));
   return Status::Ok();
+}
+
+// ---- The workspace limit: a call whose workspace would exceed it runs in slices of kv heads (with their
+// query heads), then of batch rows, one after another on the stream, each slice with its own workspace
+// (stream-ordered: the next slice reuses the memory). Slices are independent (every kernel works within one
+// kv head and one sequence), so the results are those of one call, bitwise.
+
+int64_t workspace_limit(int64_t requested, const TensorView& q, const TensorView& k, const TensorView& v) {
+  if (requested < 0) return std::numeric_limits<int64_t>::max();
+  if (requested > 0) return requested;
+  const int64_t inputs = (q.numel() + k.numel() + v.numel()) * dtype_size(q.dtype);
+  return std::max<int64_t>(int64_t(256) << 20, inputs);
+}
+
+struct Slice {
+  int64_t b0, nb, h0, nh;  // batch rows [b0, b0 + nb), kv heads [h0, h0 + nh)
+};
+
+// x restricted to batch rows [b0, b0 + nb) (dimension 0) and heads [h0, h0 + nh) (dimension 2); absent views
+// stay absent.
+TensorView sub_view(const TensorView& x, int64_t b0, int64_t nb, int64_t h0, int64_t nh) {
+  if (x.data == nullptr || x.ndim < 3) return x;
+  TensorView y = x;
+  y.data = static_cast<char*>(x.data) + (b0 * x.stride[0] + h0 * x.stride[2]) * dtype_size(x.dtype);
+  y.shape[0] = nb;
+  y.shape[2] = nh;
+  return y;
+}
+
+core::Problem sub_problem(const core::Problem& pr, const Slice& sl) {
+  core::Problem q = pr;
+  q.H = sl.nh;
+  q.HQ = sl.nh * pr.group;
+  if (sl.nb != pr.B) {
+    q.B = sl.nb;
+    q.num_seqs = sl.nb;
+    q.seqs.clear();
+    for (const core::Seq& sq : pr.seqs)
+      if (sq.b >= sl.b0 && sq.b < sl.b0 + sl.nb) q.seqs.push_back({sq.b - sl.b0, sq.t0, sq.len});
+  }
+  return q;
+}
+
+// The slices of a call: all of it when its workspace (cost) fits the limit, else the most kv heads per slice
+// that fit; when one kv head does not fit and the batch rows are separate tensors' rows (no cu_seqlens), the
+// most batch rows per slice that fit. cost(slice) is monotone in both counts.
+template <class Cost>
+std::vector<Slice> plan_slices(const core::Problem& pr, bool batch_ok, int64_t limit, Cost cost) {
+  auto largest = [&](int64_t n, auto fits) {  // the largest m in [1, n] with fits(m), or 1
+    int64_t lo = 1, hi = n;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits(mid)) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  };
+  int64_t nh = pr.H, nb = pr.B;
+  if (cost(Slice{0, nb, 0, nh}) > limit) {
+    nh = largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; });
+    if (nh == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
+      nb = largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; });
+  }
+  std::vector<Slice> out;
+  for (int64_t b0 = 0; b0 < pr.B; b0 += nb)
+    for (int64_t h0 = 0; h0 < pr.H; h0 += nh) out.push_back({b0, std::min(nb, pr.B - b0), h0, std::min(nh, pr.H - h0)});
+  return out;
+}
+
+PathFwdParams sub_params(const PathFwdParams& p, const core::Problem& pr, const Slice& sl) {
+  PathFwdParams r = p;
+  const int64_t g = pr.group;
+  auto kv = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0, sl.nh); };
+  auto qh = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0 * g, sl.nh * g); };
+  r.q = qh(p.q), r.k = kv(p.k), r.v = kv(p.v), r.w = kv(p.w), r.beta = kv(p.beta), r.g = qh(p.g);
+  r.o = qh(p.o), r.lse = qh(p.lse);
+  return r;
+}
+
+PathBwdParams sub_params(const PathBwdParams& p, const core::Problem& pr, const Slice& sl) {
+  PathBwdParams r = p;
+  const int64_t g = pr.group;
+  auto kv = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0, sl.nh); };
+  auto qh = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0 * g, sl.nh * g); };
+  r.q = qh(p.q), r.k = kv(p.k), r.v = kv(p.v), r.w = kv(p.w), r.beta = kv(p.beta), r.g = qh(p.g);
+  r.o = qh(p.o), r.lse = qh(p.lse), r.do_ = qh(p.do_);
+  r.dq = qh(p.dq), r.dk = kv(p.dk), r.dv = kv(p.dv), r.dw = kv(p.dw), r.dbeta = kv(p.dbeta), r.dg = qh(p.dg);
+  return r;
+}
+
+// A second stream for slices, ordered after the caller's stream's work at creation; its work joins the
+// caller's stream again on destruction (also on error returns).
+class SideStream {
+ public:
+  explicit SideStream(cudaStream_t main) : main_(main) {}
+  Status open() {
+    PA_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    PA_CU(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
+    PA_CU(cudaEventRecord(ev_, main_));
+    PA_CU(cudaStreamWaitEvent(side_, ev_, 0));
+    return Status::Ok();
+  }
+  ~SideStream() {
+    if (side_ && ev_ && cudaEventRecord(ev_, side_) == cudaSuccess) cudaStreamWaitEvent(main_, ev_, 0);
+    if (ev_) cudaEventDestroy(ev_);
+    if (side_) cudaStreamDestroy(side_);  // released once its work is done
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  cudaStream_t get() const { return side_; }
+
+ private:
+  cudaStream_t main_, side_ = nullptr;
+  cudaEvent_t ev_ = nullptr;
+};
+
+// Runs `run` (fwd_run / bwd_run) over the slices the limit asks for. A call that needs slicing runs its
+// slices, where it can, on two streams, the caller's and a second one, alternately, each slice within half
+// the limit: small slices leave most of the GPU idle in their superblock kernels and scan tails, and the
+// other stream's slice fills it. Each stream's slices share one block of the largest slice's size
+// (allocated once: slices freeing and allocating through the pool on two streams would make the pool order
+// them).
+template <class P, class Run>
+Status run_sliced(const P& p, const core::Problem& pr, Run run) {
+  cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+  const int64_t limit = workspace_limit(p.workspace_limit, p.q, p.k, p.v);
+  Status err = Status::Ok();
+  auto cost = [&](const Slice& sl) -> int64_t {
+    Workspace m(s, true);
+    const Status st = run(sub_params(p, pr, sl), sub_problem(pr, sl), m);
+    if (!st.ok() && err.ok()) err = st;
+    return int64_t(m.bytes());
+  };
+  if (cost(Slice{0, pr.B, 0, pr.H}) <= limit) {
+    PA_TRY(err);
+    Workspace ws(s);
+    return run(p, pr, ws);
+  }
+  // Two streams when one stream's slices are single kv heads already (so the second stream halves batch rows,
+  // not heads) and the halved slices fit half the limit; else one. Measured (forward+backward, ms, one stream
+  // -> two): K = 128 (one head per slice): T = 1k 26.9 -> 24.4, T = 4k 38.3 -> 32.7; K = 64 (three or four
+  // heads per slice on one stream): T = 4k 30.1 -> 32.3, T = 16k 72.3 -> 78.
+  const bool batch_ok = !p.cu_seqlens.present();
+  auto block_of = [&](const std::vector<Slice>& sl) {
+    size_t b = 0;
+    for (const Slice& x : sl) b = std::max(b, size_t(cost(x)));
+    return b;
+  };
+  std::vector<Slice> slices = plan_slices(pr, batch_ok, limit, cost);
+  size_t block = block_of(slices);
+  int lanes = 1;
+  if (slices[0].nh == 1) {
+    std::vector<Slice> two = plan_slices(pr, batch_ok, limit / 2, cost);
+    const size_t b2 = block_of(two);
+    if (int64_t(b2) <= limit / 2) {
+      lanes = 2;
+      slices = std::move(two);
+      block = b2;
+    }
+  }
+  PA_TRY(err);
+  SideStream side(s);
+  if (lanes > 1) PA_TRY(side.open());
+  const cudaStream_t lane[2] = {s, lanes > 1 ? side.get() : s};
+  Workspace blocks[2] = {Workspace(lane[0]), Workspace(lane[1])};
+  uint8_t* base[2] = {};
+  for (int l = 0; l < lanes; ++l) PA_CU(blocks[l].alloc(&base[l], block));
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const int l = int(i % size_t(lanes));
+    P sp = sub_params(p, pr, slices[i]);
+    sp.stream = lane[l];
+    Workspace ws(lane[l], base[l], block);
+    PA_TRY(run(sp, sub_problem(pr, slices[i]), ws));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status fwd(const PathFwdParams& p, const core::Problem& pr) {
+  PA_TRY(check_support(pr, p.q.dtype));
+  PA_TRY(check_row_copies(p.v, "v"));
+  PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
+  PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
+  PA_TRY(check_smem(smem_fwd_scan(int(pr.K), int(pr.V)), "forward"));
+  return run_sliced(p, pr, fwd_run);
+}
+
+Status bwd(const PathBwdParams& p, const core::Problem& pr) {
+  PA_TRY(check_support(pr, p.q.dtype));
+  PA_TRY(check_row_copies(p.v, "v"));
+  PA_TRY(check_row_copies(p.do_, "do"));
+  PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
+  PA_TRY(check_smem(smem_bwd_q(int(pr.K), int(pr.V)), "backward (query side)"));
+  PA_TRY(check_smem(smem_bwd_k(int(pr.K), int(pr.V)), "backward (key side)"));
+  PA_TRY(check_smem(smem_bwd_chunk(int(pr.K)), "backward (chunk)"));
+  PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
+  PA_TRY(check_smem(smem_super_bwd(int(pr.K)), "superblock backward"));
+  return run_sliced(p, pr, bwd_run);
 }
 
 }  // namespace pathattn::cuda

@@ -20,6 +20,8 @@ TensorView dev(const void* p, DType dt, std::initializer_list<int64_t> shape) {
   return make_view(const_cast<void*>(p), dt, shape, Device::cuda);
 }
 
+// The workspace limit of every call through this ABI (PathFwdParams::workspace_limit; 0 = the default).
+int64_t g_workspace_limit = 0;
 int finish(const Status& s, char* err, int errlen) {
   if (err && errlen > 0) {
     std::strncpy(err, s.message().c_str(), size_t(errlen - 1));
@@ -54,6 +56,7 @@ int pathattn_cuda_fwd(const void* q, const void* k, const void* v, const float* 
   p.gate_scale = gate_scale;
   p.backend = Backend::cuda;
   p.stream = stream;
+  p.workspace_limit = g_workspace_limit;
   core::Problem pr;
   Status s = core::check_fwd(p, &pr);
   if (s.ok() && !pr.seqs.empty()) s = cuda::fwd(p, pr);
@@ -89,6 +92,7 @@ int pathattn_cuda_bwd(const void* q, const void* k, const void* v, const float* 
   p.gate_scale = gate_scale;
   p.backend = Backend::cuda;
   p.deterministic = deterministic != 0;
+  p.workspace_limit = g_workspace_limit;
   p.stream = stream;
   core::Problem pr;
   Status s = core::check_bwd(p, &pr);
@@ -98,6 +102,9 @@ int pathattn_cuda_bwd(const void* q, const void* k, const void* v, const float* 
 
 // High-water mark in bytes of the default stream-ordered memory pool (where the backend's workspace lives);
 // reset != 0 clears it first. Returns -1 on error.
+// Sets the workspace limit (bytes; 0 = the default, < 0 = none) of the calls above that follow.
+void pathattn_cuda_set_workspace_limit(int64_t bytes) { g_workspace_limit = bytes; }
+
 int64_t pathattn_cuda_pool_high_water(int reset) {
   int dev = 0;
   cudaMemPool_t pool;

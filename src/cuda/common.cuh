@@ -317,13 +317,15 @@ __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.w
 // Copies 64 x D elements (2-byte type) of a row-strided global tile into shared memory [64][D + 8] with
 // 16-byte cp.async (not committed); rows >= nvalid are zero-filled. `stride` is the global row stride in
 // elements. For the 128-thread scan kernels: each thread keeps one 16-byte column and steps 128 / (D / 8)
-// rows at a time, so the addresses are a few adds (no divisions or 64-bit multiplies per element).
+// rows at a time, so the addresses are a few adds (no divisions or 64-bit multiplies per element). `tid` (0 ..
+// 127) is the copying thread's index: a larger block may split its tiles between groups of 128 threads.
 inline constexpr int kTileThreads = 128;
 template <int D, typename E>
-__device__ __forceinline__ void load_tile_async(E* dst, const E* src, int64_t stride, int nvalid) {
+__device__ __forceinline__ void load_tile_async(E* dst, const E* src, int64_t stride, int nvalid,
+                                                int tid = threadIdx.x) {
   constexpr int kVec = 8, kPerRow = D / kVec, kRowStep = kTileThreads / kPerRow;
   static_assert(kTileThreads % kPerRow == 0 && 64 % kRowStep == 0, "load_tile_async: tile shape");
-  const int r0 = threadIdx.x / kPerRow, c = (threadIdx.x % kPerRow) * kVec;
+  const int r0 = tid / kPerRow, c = (tid % kPerRow) * kVec;
   const E* s = src + r0 * stride + c;
   E* d = dst + r0 * (D + 8) + c;
   const int64_t sstep = kRowStep * stride;

@@ -24,10 +24,16 @@ inline Status internal(const std::string& m) { return Status(Status::Code::inter
     if (_e != cudaSuccess) return ::pathattn::cuda::internal(std::string("cuda: ") + #expr + ": " + cudaGetErrorString(_e)); \
   } while (0)
 
-// Stream-ordered allocations released together (also on early error returns).
+// Stream-ordered allocations released together (also on early error returns). Three modes: the default
+// allocates each buffer from the stream-ordered pool; a measuring workspace allocates nothing, adds up the
+// bytes its allocations would take and hands out null pointers (copies and fills skipped), so a call's
+// allocation sequence can be run to size it; an arena workspace hands out consecutive pieces of a block the
+// caller owns (the same rounding as measuring, so a block of the measured size always suffices).
 class Workspace {
  public:
-  explicit Workspace(cudaStream_t s) : s_(s) {}
+  explicit Workspace(cudaStream_t s, bool measure = false) : s_(s), measure_(measure) {}
+  Workspace(cudaStream_t s, void* arena, size_t arena_bytes)
+      : s_(s), measure_(false), arena_(static_cast<char*>(arena)), arena_bytes_(arena_bytes) {}
   ~Workspace() {
     for (void* p : ptrs_) cudaFreeAsync(p, s_);
   }
@@ -35,17 +41,35 @@ class Workspace {
   Workspace& operator=(const Workspace&) = delete;
   template <typename T>
   cudaError_t alloc(T** out, size_t count) {
+    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T), off = bytes_;
+    bytes_ += (bytes + kRound - 1) / kRound * kRound;
+    *out = nullptr;
+    if (measure_) return cudaSuccess;
+    if (arena_) {
+      if (bytes_ > arena_bytes_) return cudaErrorMemoryAllocation;
+      *out = reinterpret_cast<T*>(arena_ + off);
+      return cudaSuccess;
+    }
     void* p = nullptr;
-    cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(count, 1) * sizeof(T), s_);
+    cudaError_t e = cudaMallocAsync(&p, bytes, s_);
     if (e != cudaSuccess) return e;
     ptrs_.push_back(p);
     *out = static_cast<T*>(p);
     return cudaSuccess;
   }
-  size_t count() const { return ptrs_.size(); }
+  cudaError_t zero(void* p, size_t bytes) { return measure_ ? cudaSuccess : cudaMemsetAsync(p, 0, bytes, s_); }
+  cudaError_t upload(void* dst, const void* src, size_t bytes) {
+    return measure_ ? cudaSuccess : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s_);
+  }
+  bool measuring() const { return measure_; }
+  size_t bytes() const { return bytes_; }  // handed out (or, measuring, would be) so far
 
  private:
+  static constexpr size_t kRound = 512;  // keeps every piece of an arena 512-byte aligned
   cudaStream_t s_;
+  bool measure_;
+  char* arena_ = nullptr;
+  size_t arena_bytes_ = 0, bytes_ = 0;
   std::vector<void*> ptrs_;
 };
 

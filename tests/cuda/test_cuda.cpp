@@ -118,13 +118,16 @@ struct GpuCase {
 };
 
 // Runs forward (and backward when dout is given) on the GPU into poisoned outputs.
-GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic) {
+// ws_limit: the params' workspace_limit (0: the default).
+GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic, int64_t ws_limit = 0) {
   const CaseSpec& s = gc.c->spec;
   GpuRun r;
   r.o = HostTensor(s.dtype, {s.B, s.T, s.HQ, s.V});
   r.lse = HostTensor(DType::f32, {s.B, s.T, s.HQ});
   DevTensor o(r.o, false), lse(r.lse, false);
-  r.fs = path_attn_fwd(gc.fwd_params(o, lse));
+  PathFwdParams fp = gc.fwd_params(o, lse);
+  fp.workspace_limit = ws_limit;
+  r.fs = path_attn_fwd(fp);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   o.to_host(r.o);
   lse.to_host(r.lse);
@@ -133,7 +136,7 @@ GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic) {
   r.dk = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
   r.dv = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
   DevTensor dq(r.dq, false), dk(r.dk, false), dv(r.dv, false), dw, dbeta, dg;
-  PathBwdParams p = bwd_params_for(gc.fwd_params(o, lse));
+  PathBwdParams p = bwd_params_for(fp);
   p.do_ = vw(gc.dout);
   p.dq = vw(dq);
   p.dk = vw(dk);
@@ -298,6 +301,11 @@ TEST(CudaBackend, AccuracyBar) {
       }
 }
 
+bool same_bits(const HostTensor& a, const HostTensor& b) {
+  if (a.present() != b.present()) return false;
+  return !a.present() || std::memcmp(a.view().data, b.view().data, size_t(a.numel() * dtype_size(a.dtype()))) == 0;
+}
+
 TEST(CudaBackend, RepeatableBitwise) {
   REQUIRE_GPU();
   CaseSpec s = mk(1700, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 41);  // crosses superblocks
@@ -306,9 +314,7 @@ TEST(CudaBackend, RepeatableBitwise) {
   GpuCase gc(c, &dout);
   GpuRun first = run_gpu(gc, true, true);
   ASSERT_TRUE(first.fs.ok() && first.bs.ok());
-  auto same = [](const HostTensor& a, const HostTensor& b) {
-    return std::memcmp(a.view().data, b.view().data, size_t(a.numel() * dtype_size(a.dtype()))) == 0;
-  };
+  const auto same = same_bits;
   int diff_fwd = 0, diff_bwd = 0;
   for (int run = 0; run < 100; ++run) {
     GpuRun r = run_gpu(gc, true, true);
@@ -321,6 +327,74 @@ TEST(CudaBackend, RepeatableBitwise) {
   EXPECT_EQ(diff_fwd, 0) << "forward outputs differ bitwise between runs";
   EXPECT_EQ(diff_bwd, 0) << "deterministic backward gradients differ bitwise between runs";
   std::printf("[race] 100 runs: forward differing %d, deterministic backward differing %d\n", diff_fwd, diff_bwd);
+}
+
+// A workspace limit below what a call needs runs it in slices of kv heads, then of batch rows; the slices are
+// independent, so outputs and (deterministic) gradients equal the unsliced call's bitwise. GQA, the gate,
+// superblocks crossed, and varlen (head slices only).
+TEST(CudaBackend, WorkspaceLimitSlicesBitwise) {
+  REQUIRE_GPU();
+  for (bool varlen : {false, true}) {
+    CaseSpec s = mk(1200, 6, 3, 64, 64, true, BetaMode::uniform02, DType::bf16, varlen ? 72 : 71);
+    s.B = 3;
+    if (varlen) s.seqlens = {0, 500, 700};  // B = 1: an empty sequence, then two
+    Case c = Case::make(s);
+    HostTensor dout = random_dout(c, 73);
+    GpuCase gc(c, &dout);
+    GpuRun full = run_gpu(gc, true, true, -1);
+    ASSERT_TRUE(full.fs.ok() && full.bs.ok()) << full.fs.message() << full.bs.message();
+    // 1 byte: one (batch row, kv head) per slice; 24 MiB: some kv heads per slice, all batch rows.
+    for (int64_t limit : {int64_t(1), int64_t(24) << 20}) {
+      GpuRun r = run_gpu(gc, true, true, limit);
+      ASSERT_TRUE(r.fs.ok() && r.bs.ok()) << r.fs.message() << r.bs.message();
+      const std::string what = std::string(varlen ? "varlen" : "batched") + ", limit " + std::to_string(limit);
+      EXPECT_TRUE(same_bits(r.o, full.o) && same_bits(r.lse, full.lse)) << "forward differs, " << what;
+      EXPECT_TRUE(same_bits(r.dq, full.dq) && same_bits(r.dk, full.dk) && same_bits(r.dv, full.dv))
+          << "dq / dk / dv differ, " << what;
+      EXPECT_TRUE(same_bits(r.dw, full.dw) && same_bits(r.dbeta, full.dbeta) && same_bits(r.dg, full.dg))
+          << "dw / dbeta / dg differ, " << what;
+    }
+  }
+}
+
+// The default limit holds: a backward whose workspace would be about 0.35 GiB (B = 1, T = 16384, 8 heads,
+// K = 64) keeps the stream-ordered pool's high-water mark under 256 MiB, and its outputs finite.
+TEST(CudaBackend, WorkspaceLimitDefaultHolds) {
+  REQUIRE_GPU();
+  CaseSpec s = mk(16384, 8, 8, 64, 64, false, BetaMode::uniform02, DType::bf16, 81);
+  s.B = 1;
+  Case c = Case::make(s);
+  HostTensor dout = random_dout(c, 82);
+  GpuCase gc(c, &dout);
+  int dev = 0;
+  cudaMemPool_t pool;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
+  auto high_water = [&](bool reset) {
+    unsigned long long v = 0;
+    if (reset) EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+    return double(v) / double(1 << 20);
+  };
+  high_water(true);
+  GpuRun unlimited = run_gpu(gc, true, false, -1);
+  ASSERT_TRUE(unlimited.fs.ok() && unlimited.bs.ok());
+  const double mib_unlimited = high_water(false);
+  high_water(true);
+  GpuRun r = run_gpu(gc, true, false);
+  ASSERT_TRUE(r.fs.ok() && r.bs.ok()) << r.fs.message() << r.bs.message();
+  const double mib = high_water(false);
+  for (const HostTensor* t : {&r.o, &r.dq, &r.dk, &r.dv, &r.dw, &r.dbeta})
+    ASSERT_TRUE(all_finite(t->to_f64()));
+  EXPECT_GT(mib_unlimited, 256.0) << "the case no longer needs slicing: make it larger";
+  EXPECT_LE(mib, 256.0);
+  EXPECT_LE(err(r.o, unlimited.o), 0.0);  // the forward has no atomics: bitwise
+  // The default backward sums dP with fp32 atomics in no fixed order (as any two default-mode runs differ);
+  // measured 1.2e-4 here.
+  EXPECT_LE(err(r.dw, unlimited.dw), 1e-3);
+  EXPECT_LE(err(r.dq, unlimited.dq), 1e-2);
+  std::printf("[workspace] B 1, T 16384, 8 heads, K 64: pool high-water %.1f MiB unlimited, %.1f MiB default limit\n",
+              mib_unlimited, mib);
 }
 
 TEST(CudaBackend, DeterministicMatchesDefault) {
