@@ -437,9 +437,10 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
     return run(p, pr, ws);
   }
   // Two streams when one stream's slices are single kv heads already (so the second stream halves batch rows,
-  // not heads) and the halved slices fit half the limit; else one. Measured (forward+backward, ms, one stream
-  // -> two): K = 128 (one head per slice): T = 1k 26.9 -> 24.4, T = 4k 38.3 -> 32.7; K = 64 (three or four
-  // heads per slice on one stream): T = 4k 30.1 -> 32.3, T = 16k 72.3 -> 78.
+  // not heads), the halved slices fit half the limit and are at most twice as many; else one. Measured
+  // (forward+backward, ms, one stream -> two): K = 128 (one head per slice): T = 1k 26.9 -> 24.4, T = 4k
+  // 38.3 -> 32.7; K = 64 (three or four heads per slice on one stream): T = 4k 30.1 -> 32.3, T = 16k
+  // 72.3 -> 78; K = 128, T = 8k, 16 slices of four rows -> 64 of one row: 69.6 with two streams.
   const bool batch_ok = !p.cu_seqlens.present();
   auto block_of = [&](const std::vector<Slice>& sl) {
     size_t b = 0;
@@ -452,7 +453,7 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   if (slices[0].nh == 1) {
     std::vector<Slice> two = plan_slices(pr, batch_ok, limit / 2, cost);
     const size_t b2 = block_of(two);
-    if (int64_t(b2) <= limit / 2) {
+    if (int64_t(b2) <= limit / 2 && two.size() <= 2 * slices.size()) {
       lanes = 2;
       slices = std::move(two);
       block = b2;
