@@ -60,11 +60,12 @@ struct PathFwdParams {
   int chunk_size = 0;    // CPU fast path: 0 = tuned default; must be a multiple of 8 otherwise
   bool validate = false; // also reject non-finite inputs, beta outside [0, 2], | ||w|| - 1 | > 1e-2
   void* stream = nullptr;  // cudaStream_t for the CUDA backend; nullptr = default stream
-  // CUDA: bytes of workspace the call may hold at once. The CUDA backend keeps per-token intermediates (about
-  // 1 KB (forward) / 3 KB (backward) per token and kv head at K = 64, twice that at K = 128); when they would
-  // exceed the limit it runs the call in slices of kv heads (then of batch rows), one after another, each with
-  // its own workspace. 0 = default, the larger of 256 MiB and the bytes of q, k and v; < 0 = no limit (one
-  // slice, fastest). A single (batch row, kv head) slice is never split further.
+  // CUDA: bytes of workspace the call may hold at once. The CUDA backend keeps per-token intermediates (the
+  // backward about 2.7 KB per token and head at K = 64, 6 KB at K = 128); when they would exceed the limit it
+  // runs the call in slices of kv heads (then of batch rows), each with its own workspace; results are those
+  // of one call. 0 = default, the larger of 256 MiB and the bytes of q, k and v; < 0 = no limit (one slice,
+  // fastest: slicing costs 5-30% at 32k tokens per call). A single (batch row, kv head) slice is never split
+  // further, so a call may exceed a limit below that slice's need.
   int64_t workspace_limit = 0;
 };
 
