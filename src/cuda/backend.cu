@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -301,12 +300,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
 }
 
 // ---- The workspace limit: a call whose workspace would exceed it runs in slices of kv heads (with their
-// query heads), then of batch rows, one after another on the stream, each slice with its own workspace
-// (stream-ordered: the next slice reuses the memory). Slices are independent (every kernel works within one
-// kv head and one sequence), so the results are those of one call, bitwise.
+// query heads), then of batch rows, each a complete forward / backward on views of the tensors (run_sliced
+// says on which streams and in which memory). Slices are independent (every kernel works within one kv head
+// and one sequence), so the results are those of one call, bitwise.
 
+// requested > 0: itself; 0: the default.
 int64_t workspace_limit(int64_t requested, const TensorView& q, const TensorView& k, const TensorView& v) {
-  if (requested < 0) return std::numeric_limits<int64_t>::max();
   if (requested > 0) return requested;
   const int64_t inputs = (q.numel() + k.numel() + v.numel()) * dtype_size(q.dtype);
   return std::max<int64_t>(int64_t(256) << 20, inputs);
@@ -367,24 +366,32 @@ std::vector<Slice> plan_slices(const core::Problem& pr, bool batch_ok, int64_t l
   return out;
 }
 
+// Views of one slice: kv-head tensors take heads [h0, h0 + nh), query-head tensors the group's query heads.
+struct SliceViews {
+  Slice sl;
+  int64_t group;
+  TensorView kv(const TensorView& x) const { return sub_view(x, sl.b0, sl.nb, sl.h0, sl.nh); }
+  TensorView qh(const TensorView& x) const { return sub_view(x, sl.b0, sl.nb, sl.h0 * group, sl.nh * group); }
+  template <class P>
+  void inputs(P& r, const P& p) const {
+    r.q = qh(p.q), r.k = kv(p.k), r.v = kv(p.v), r.w = kv(p.w), r.beta = kv(p.beta), r.g = qh(p.g);
+    r.o = qh(p.o), r.lse = qh(p.lse);
+  }
+};
+
 PathFwdParams sub_params(const PathFwdParams& p, const core::Problem& pr, const Slice& sl) {
   PathFwdParams r = p;
-  const int64_t g = pr.group;
-  auto kv = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0, sl.nh); };
-  auto qh = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0 * g, sl.nh * g); };
-  r.q = qh(p.q), r.k = kv(p.k), r.v = kv(p.v), r.w = kv(p.w), r.beta = kv(p.beta), r.g = qh(p.g);
-  r.o = qh(p.o), r.lse = qh(p.lse);
+  SliceViews{sl, pr.group}.inputs(r, p);
   return r;
 }
 
 PathBwdParams sub_params(const PathBwdParams& p, const core::Problem& pr, const Slice& sl) {
   PathBwdParams r = p;
-  const int64_t g = pr.group;
-  auto kv = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0, sl.nh); };
-  auto qh = [&](const TensorView& x) { return sub_view(x, sl.b0, sl.nb, sl.h0 * g, sl.nh * g); };
-  r.q = qh(p.q), r.k = kv(p.k), r.v = kv(p.v), r.w = kv(p.w), r.beta = kv(p.beta), r.g = qh(p.g);
-  r.o = qh(p.o), r.lse = qh(p.lse), r.do_ = qh(p.do_);
-  r.dq = qh(p.dq), r.dk = kv(p.dk), r.dv = kv(p.dv), r.dw = kv(p.dw), r.dbeta = kv(p.dbeta), r.dg = qh(p.dg);
+  const SliceViews sv{sl, pr.group};
+  sv.inputs(r, p);
+  r.do_ = sv.qh(p.do_);
+  r.dq = sv.qh(p.dq), r.dk = sv.kv(p.dk), r.dv = sv.kv(p.dv), r.dw = sv.kv(p.dw), r.dbeta = sv.kv(p.dbeta);
+  r.dg = sv.qh(p.dg);
   return r;
 }
 
@@ -423,6 +430,10 @@ class SideStream {
 template <class P, class Run>
 Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+  if (p.workspace_limit < 0) {
+    Workspace ws(s);
+    return run(p, pr, ws);
+  }
   const int64_t limit = workspace_limit(p.workspace_limit, p.q, p.k, p.v);
   Status err = Status::Ok();
   auto cost = [&](const Slice& sl) -> int64_t {
