@@ -19,6 +19,7 @@ import importlib.util as _ilu
 import os as _os
 
 from ._pathattn import BackendUnavailableError, UnsupportedError, build_info
+from ._api import set_workspace_limit, workspace_limit
 from ._api import (
     BACKENDS,
     PathGrads,
@@ -44,6 +45,8 @@ __all__ = [
     "parallel_path_attn_bwd",
     "parallel_path_attention",
     "prefill",
+    "set_workspace_limit",
+    "workspace_limit",
 ]
 
 HAS_TORCH = False

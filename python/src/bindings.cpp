@@ -2,6 +2,7 @@
 // Arrays arrive through DLPack or the buffer protocol (numpy; torch CPU and CUDA tensors) and are wrapped,
 // never copied, in pathattn::TensorView; outputs are allocated by the Python package and passed in. Every
 // call releases the GIL while the op runs. A non-ok Status becomes a Python exception (see raise_status).
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -131,6 +132,10 @@ Backend to_backend(int b) {
 
 void* to_stream(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
+// The workspace limit of every forward / backward call from Python (PathFwdParams::workspace_limit; 0 = the
+// library's default): process-wide, set with set_workspace_limit.
+std::atomic<int64_t> g_workspace_limit{0};
+
 // Fields every params struct (forward, backward, decode) has. The scale arguments use NaN for "default"
 // (kDefaultScale), which Python passes as float('nan').
 template <typename P>
@@ -171,6 +176,7 @@ PathFwdParams fwd_params(const InArray& q, const InArray& k, const InArray& v, c
   p.lse = opt_view("lse", lse);
   p.chunk_size = chunk_size;
   p.validate = validate;
+  p.workspace_limit = g_workspace_limit.load();
   return p;
 }
 
@@ -201,6 +207,7 @@ void bwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, c
   p.chunk_size = chunk_size;
   p.deterministic = deterministic;
   p.validate = validate;
+  p.workspace_limit = g_workspace_limit.load();
   run_released(path_attn_bwd, p);
 }
 
@@ -282,6 +289,10 @@ NB_MODULE(_pathattn, m) {
         nb::arg("vc"), nb::arg("gc").none(), nb::arg("lengths"), nb::arg("scale"), nb::arg("gate_scale"),
         nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"),
         "One decode step for every cache slot (updates the cache in place).");
+  m.def("set_workspace_limit", [](int64_t nbytes) { g_workspace_limit.store(nbytes); }, nb::arg("nbytes"),
+        "Sets the workspace limit (bytes) of the CUDA backend's forward / backward calls that follow, process-wide: "
+        "0 = the library's default, < 0 = none.");
+  m.def("workspace_limit", []() { return g_workspace_limit.load(); }, "The workspace limit set_workspace_limit set.");
   m.def("build_info", &build_info, "Backends compiled into this build, e.g. 'oracle cpu'.");
   m.def("describe", &describe, nb::arg("array"),
         "How an array is seen by the C++ side: data address, dtype, device, shape, strides (in elements).");

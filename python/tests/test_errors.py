@@ -133,3 +133,20 @@ def test_validating_mode_is_not_default_and_bad_values_pass_through(rng):
     x["w"] *= 2.0
     o, _ = run(x)
     assert np.all(np.isfinite(o))
+
+
+def test_workspace_limit_setting(x):
+    assert pathattn.workspace_limit() == 0
+    try:
+        pathattn.set_workspace_limit(1 << 20)
+        assert pathattn.workspace_limit() == 1 << 20
+        o, _ = run(x, backend="cpu")  # CPU backends ignore the limit
+        assert np.isfinite(o).all()
+        with pytest.raises(TypeError, match="nbytes"):
+            pathattn.set_workspace_limit(1.5)
+        with pytest.raises(TypeError, match="nbytes"):
+            pathattn.set_workspace_limit(True)
+        assert pathattn.workspace_limit() == 1 << 20
+    finally:
+        pathattn.set_workspace_limit(0)
+    assert pathattn.workspace_limit() == 0
