@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/slicing.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/host_util.h"
 #include "cuda/launchers.h"
@@ -311,89 +312,10 @@ int64_t workspace_limit(int64_t requested, const TensorView& q, const TensorView
   return std::max<int64_t>(int64_t(256) << 20, inputs);
 }
 
-struct Slice {
-  int64_t b0, nb, h0, nh;  // batch rows [b0, b0 + nb), kv heads [h0, h0 + nh)
-};
-
-// x restricted to batch rows [b0, b0 + nb) (dimension 0) and heads [h0, h0 + nh) (dimension 2); absent views
-// stay absent.
-TensorView sub_view(const TensorView& x, int64_t b0, int64_t nb, int64_t h0, int64_t nh) {
-  if (x.data == nullptr || x.ndim < 3) return x;
-  TensorView y = x;
-  y.data = static_cast<char*>(x.data) + (b0 * x.stride[0] + h0 * x.stride[2]) * dtype_size(x.dtype);
-  y.shape[0] = nb;
-  y.shape[2] = nh;
-  return y;
-}
-
-core::Problem sub_problem(const core::Problem& pr, const Slice& sl) {
-  core::Problem q = pr;
-  q.H = sl.nh;
-  q.HQ = sl.nh * pr.group;
-  if (sl.nb != pr.B) {
-    q.B = sl.nb;
-    q.num_seqs = sl.nb;
-    q.seqs.clear();
-    for (const core::Seq& sq : pr.seqs)
-      if (sq.b >= sl.b0 && sq.b < sl.b0 + sl.nb) q.seqs.push_back({sq.b - sl.b0, sq.t0, sq.len});
-  }
-  return q;
-}
-
-// The slices of a call: all of it when its workspace (cost) fits the limit, else the most kv heads per slice
-// that fit; when one kv head does not fit and the batch rows are separate tensors' rows (no cu_seqlens), the
-// most batch rows per slice that fit. cost(slice) is monotone in both counts.
-template <class Cost>
-std::vector<Slice> plan_slices(const core::Problem& pr, bool batch_ok, int64_t limit, Cost cost) {
-  auto largest = [&](int64_t n, auto fits) {  // the largest m in [1, n] with fits(m), or 1
-    int64_t lo = 1, hi = n;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo + 1) / 2;
-      if (fits(mid)) lo = mid;
-      else hi = mid - 1;
-    }
-    return lo;
-  };
-  int64_t nh = pr.H, nb = pr.B;
-  if (cost(Slice{0, nb, 0, nh}) > limit) {
-    nh = largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; });
-    if (nh == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
-      nb = largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; });
-  }
-  std::vector<Slice> out;
-  for (int64_t b0 = 0; b0 < pr.B; b0 += nb)
-    for (int64_t h0 = 0; h0 < pr.H; h0 += nh) out.push_back({b0, std::min(nb, pr.B - b0), h0, std::min(nh, pr.H - h0)});
-  return out;
-}
-
-// Views of one slice: kv-head tensors take heads [h0, h0 + nh), query-head tensors the group's query heads.
-struct SliceViews {
-  Slice sl;
-  int64_t group;
-  TensorView kv(const TensorView& x) const { return sub_view(x, sl.b0, sl.nb, sl.h0, sl.nh); }
-  TensorView qh(const TensorView& x) const { return sub_view(x, sl.b0, sl.nb, sl.h0 * group, sl.nh * group); }
-  template <class P>
-  void inputs(P& r, const P& p) const {
-    r.q = qh(p.q), r.k = kv(p.k), r.v = kv(p.v), r.w = kv(p.w), r.beta = kv(p.beta), r.g = qh(p.g);
-    r.o = qh(p.o), r.lse = qh(p.lse);
-  }
-};
-
-PathFwdParams sub_params(const PathFwdParams& p, const core::Problem& pr, const Slice& sl) {
-  PathFwdParams r = p;
-  SliceViews{sl, pr.group}.inputs(r, p);
-  return r;
-}
-
-PathBwdParams sub_params(const PathBwdParams& p, const core::Problem& pr, const Slice& sl) {
-  PathBwdParams r = p;
-  const SliceViews sv{sl, pr.group};
-  sv.inputs(r, p);
-  r.do_ = sv.qh(p.do_);
-  r.dq = sv.qh(p.dq), r.dk = sv.kv(p.dk), r.dv = sv.kv(p.dv), r.dw = sv.kv(p.dw), r.dbeta = sv.kv(p.dbeta);
-  r.dg = sv.qh(p.dg);
-  return r;
-}
+using core::plan_slices;
+using core::Slice;
+using core::sub_params;
+using core::sub_problem;
 
 // A second stream for slices, ordered after the caller's stream's work at creation; its work joins the
 // caller's stream again on destruction (also on error returns).

@@ -198,7 +198,9 @@ void check_case(const CaseSpec& spec, bool backward, Tol tol = {}, bool print = 
   ASSERT_TRUE(rb.status.ok()) << rb.status.message();
   ASSERT_TRUE(g.bs.ok()) << g.bs.message();
   for (const HostTensor* t : {&g.dq, &g.dk, &g.dv, &g.dw, &g.dbeta, &g.dg})
-    if (t->present()) ASSERT_TRUE(all_finite(t->to_f64())) << "a gradient has NaN/Inf " << spec.name();
+    if (t->present()) {
+      ASSERT_TRUE(all_finite(t->to_f64())) << "a gradient has NaN/Inf " << spec.name();
+    }
   const double edq = err(g.dq, rb.dq), edk = err(g.dk, rb.dk), edv = err(g.dv, rb.dv);
   EXPECT_LE(edq, tol.dqkv) << "dq " << spec.name();
   EXPECT_LE(edk, tol.dqkv) << "dk " << spec.name();
@@ -373,7 +375,9 @@ TEST(CudaBackend, WorkspaceLimitDefaultHolds) {
   ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
   auto high_water = [&](bool reset) {
     unsigned long long v = 0;
-    if (reset) EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+    if (reset) {
+      EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+    }
     EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
     return double(v) / double(1 << 20);
   };

@@ -1,0 +1,55 @@
+// core/slicing.h: one call as independent slices of kv heads (with their query heads) and batch rows: the
+// views, sub-problems and plan the CUDA backend's workspace limit runs a call in. Host-only and
+// backend-neutral (tested on the CPU backend: a call's slices reproduce the whole call).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "core/problem.h"
+
+namespace pathattn::core {
+
+struct Slice {
+  int64_t b0, nb, h0, nh;  // batch rows [b0, b0 + nb), kv heads [h0, h0 + nh)
+};
+
+// x restricted to batch rows [b0, b0 + nb) (dimension 0) and heads [h0, h0 + nh) (dimension 2); absent views
+// (and views of fewer than 3 dimensions, e.g. cu_seqlens) are returned unchanged.
+TensorView sub_view(const TensorView& x, int64_t b0, int64_t nb, int64_t h0, int64_t nh);
+
+// The problem of one slice: H = nh, HQ = nh x group; with fewer batch rows, the rows' sequences renumbered.
+Problem sub_problem(const Problem& pr, const Slice& sl);
+
+// The params of one slice: every tensor viewed at the slice (query-head tensors at the kv heads' query heads).
+PathFwdParams sub_params(const PathFwdParams& p, const Problem& pr, const Slice& sl);
+PathBwdParams sub_params(const PathBwdParams& p, const Problem& pr, const Slice& sl);
+
+// The slices of a call: all of it when cost(all) <= limit; else the most kv heads per slice that fit; when one
+// kv head does not fit and batch_ok (rows of separate sequences: no cu_seqlens), the most batch rows per
+// slice that fit; a (row, head) slice that does not fit runs anyway. cost(Slice) must grow with both counts.
+template <class Cost>
+std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, Cost cost) {
+  auto largest = [](int64_t n, auto fits) {  // the largest m in [1, n] with fits(m), or 1
+    int64_t lo = 1, hi = n;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits(mid)) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  };
+  int64_t nh = pr.H, nb = pr.B;
+  if (cost(Slice{0, nb, 0, nh}) > limit) {
+    nh = largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; });
+    if (nh == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
+      nb = largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; });
+  }
+  std::vector<Slice> out;
+  for (int64_t b0 = 0; b0 < pr.B; b0 += nb)
+    for (int64_t h0 = 0; h0 < pr.H; h0 += nh) out.push_back({b0, std::min(nb, pr.B - b0), h0, std::min(nh, pr.H - h0)});
+  return out;
+}
+
+}  // namespace pathattn::core
