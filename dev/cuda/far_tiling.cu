@@ -17,7 +17,9 @@
 //         warpgroup (no ldmatrix). Tiles in the no-swizzle core-matrix layout (8 rows x 16 bytes contiguous);
 //         the descriptor's leading offset is the one along K, its stride offset along M / N (CUTLASS's
 //         reading; the other one faults);
-//   vw2:  vw with two warpgroups (128 query rows) sharing the tiles.
+//   vw2:  vw with two warpgroups (128 query rows) sharing the tiles;
+//   vw3:  vw2 with the scores of a chunk and P V of the previous one issued together, the softmax running
+//         while P V finishes, and P V as one m64n128 product per 16 keys (three tile stages).
 // Every version double-buffers the k / v tiles with cp.async (load_tile_async, load_core_async) as fwd_scan does.
 // Check: head 0's first 128 rows of each version against a host softmax (double) over the same bf16 inputs
 // (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
@@ -187,7 +189,10 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint3
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed wgmma groups are pending (groups complete in order).
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wg_wait0() { wg_wait<0>(); }
 // Shared memory written through the generic proxy (cp.async, stores) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Ties accumulator registers to this point (after a wait, before a fence): the compiler may not move their
@@ -199,12 +204,21 @@ __device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
+// The same for A fragments a wgmma reads from registers while in flight.
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[i][e])::"memory");
+}
 
 // d (the warpgroup's 64 x 64 fp32 tile; this warp's 16 rows in the mma.sync C layout, 8 n-blocks) += A B, with
 // A = this warp's 16 x 16 bf16 fragment in registers (the m16n8k16 A layout) and B (16 x 64) from a descriptor;
 // TNSPB = 1 reads B stored N-contiguous ([k][n]).
+// acc = 0: d = A B (the accumulator's old values ignored; no instruction has to zero it first).
 template <int TNSPB>
-__device__ __forceinline__ void wg_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
+__device__ __forceinline__ void wg_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -216,6 +230,31 @@ __device__ __forceinline__ void wg_m64n64k16_rs(float (&d)[8][4], const uint32_t
         "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
         "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+}
+
+// d (the warpgroup's 64 x 128 fp32 tile; this warp's 16 rows in the mma.sync C layout, 16 n-blocks) += A B, as
+// wg_m64n64k16_rs with N = 128 (B 16 x 128 from a descriptor, N-contiguous core matrices 128 bytes apart).
+template <int TNSPB>
+__device__ __forceinline__ void wg_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+        "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]),
+        "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]),
+        "+f"(d[15][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1), "n"(TNSPB));
 }
 
@@ -305,6 +344,102 @@ __global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
     wg_wait0();
     fence_regs(o);
   }
+  store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
+}
+
+// vw3: vw2 with the products overlapped with the softmax, FlashAttention-3's order within a warpgroup: per
+// chunk c the scores S_c and P V of chunk c - 1 (one m64n128 product per 16 keys) are issued together; the
+// softmax of S_c runs while P V finishes; the accumulator is rescaled after that product's wait. Nothing is
+// in flight across the loop's back edge (products in flight there make ptxas serialize every wgmma: it
+// reported so for a version that carried the next chunk's scores over it). Three tile stages: chunk c - 1
+// (its v multiplied), chunk c (scored), chunk c + 1 (loading).
+constexpr int kStagesW3 = 3;
+__global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
+  constexpr int NT = 2 * kThreads, kTile = 2 * kChunk;
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Kc = reinterpret_cast<T*>(smem);             // [3][64 * K], core-matrix layout
+  T* Vc = Kc + kStagesW3 * kChunk * K;            // [3][64 * V]
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
+  const int warp = threadIdx.x >> 5;
+  const T* kp = a.k + size_t(head) * kKeys * K;
+  const T* vp = a.v + size_t(head) * kKeys * V;
+  const T* qrow = a.q + (size_t(head) * kRows + tile * kTile + 16 * warp) * K;
+  auto load = [&](int c) {
+    const int st = c % kStagesW3;
+    load_core_async<K, NT>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
+    load_core_async<V, NT>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
+    cp_async_commit();
+  };
+  constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
+  uint32_t qa[K / 16][4];
+  {
+    float qt[K / 8][4];
+    load_query_rows(qt, qrow);
+    pack_frags<K / 16>(qa, qt);
+  }
+  float o[V / 8][4];
+  zero_acc(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  float s[8][4];
+  uint32_t pa[4][4];
+  auto issue_scores = [&](int c) {
+    const uint64_t dk = smem_desc(Kc + (c % kStagesW3) * kChunk * K, kAlongRow, kKRows);
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * kAlongRow) >> 4), kt > 0);
+    wg_commit();
+  };
+  auto issue_pv = [&](int c) {
+    const uint64_t dv = smem_desc(Vc + (c % kStagesW3) * kChunk * V, kVRows, kAlongRow);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) wg_m64n128k16_rs<1>(o, pa[kt], dv + ((2 * kt * kVRows) >> 4));
+    wg_commit();
+  };
+  // The softmax of the scores in s (P left in s; alpha for the rescale of o).
+  auto softmax = [&]() {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
+    softmax_step(s, m, l, alpha);
+  };
+  load(0);
+  load(1);
+  cp_async_wait_group<1>();  // chunk 0 landed
+  fence_async_smem();
+  __syncthreads();
+  fence_regs(s);
+  wg_fence();
+  issue_scores(0);
+  wg_wait<0>();
+  fence_regs(s);
+  softmax();
+  pack_frags<4>(pa, s);
+  for (int c = 1; c < kNK; ++c) {
+    cp_async_wait_group<0>();  // chunk c landed; every warpgroup is past P V of chunk c - 2 (its stage is free)
+    fence_async_smem();
+    __syncthreads();
+    if (c + 1 < kNK) load(c + 1);
+    fence_regs(s);
+    fence_regs(o);
+    fence_regs(pa);
+    wg_fence();
+    issue_scores(c);
+    issue_pv(c - 1);
+    wg_wait<1>();  // S_c done; P V of chunk c - 1 may still run
+    fence_regs(s);
+    softmax();
+    wg_wait<0>();  // P V done: o and pa are ours again
+    fence_regs(o);
+    fence_regs(pa);
+    scale_rows(o, alpha);
+    pack_frags<4>(pa, s);
+  }
+  fence_regs(o);
+  fence_regs(pa);
+  wg_fence();
+  issue_pv(kNK - 1);
+  wg_wait<0>();
+  fence_regs(o);
   store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
 }
 
@@ -441,6 +576,8 @@ int main(int argc, char** argv) {
       {"vw   (wgmma, one warpgroup, 64-row tile)", farw_kernel<1>, kChunk, 2 * size_t(kChunk) * (K + V) * sizeof(T)},
       {"vw2  (wgmma, two warpgroups, 128-row tile)", farw_kernel<2>, 2 * kChunk,
        2 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
+      {"vw3  (vw2, S and P V overlapped with the softmax, m64n128 P V)", farw3_kernel, 2 * kChunk,
+       kStagesW3 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
   };
   bool ok = true;
   std::vector<float> ho(size_t(2 * kChunk) * V);
