@@ -19,7 +19,8 @@
 //         reading; the other one faults);
 //   vw2:  vw with two warpgroups (128 query rows) sharing the tiles;
 //   vw3:  vw2 with the scores of a chunk and P V of the previous one issued together, the softmax running
-//         while P V finishes, and P V as one m64n128 product per 16 keys (three tile stages).
+//         while P V finishes, and P V as one m64n128 product per 16 keys (three tile stages);
+//   vw4:  vw3 with its tiles loaded by TMA (one thread issues them) and mbarriers instead of the CTA barrier.
 // Every version double-buffers the k / v tiles with cp.async (load_tile_async, load_core_async) as fwd_scan does.
 // Check: head 0's first 128 rows of each version against a host softmax (double) over the same bf16 inputs
 // (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
@@ -28,7 +29,9 @@
 // Build and run (from the repository root):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda dev/cuda/far_tiling.cu -o far_tiling
 //   ./far_tiling            (or ./far_tiling v16: only the versions whose name starts with that)
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cmath>
@@ -57,6 +60,7 @@ struct Args {
   const T* v;  // [H][kKeys][V]
   float* o;    // [H][kRows][V]
   float sl2;   // scale * log2(e)
+  CUtensorMap tk, tv;  // k and v as 2-D [H kKeys][K] tensors for TMA, boxes of 64 rows x 8 columns (vw4)
 };
 
 // o (16 rows of a warp) / l to global, fp32.
@@ -443,6 +447,153 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
   store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
 }
 
+// ---- vw4: vw3 with its tiles loaded by TMA (no copy instructions in the warps that multiply): one thread
+// issues each chunk's k / v tiles as 16 + 16 boxes of 64 rows x 8 columns (1 KB each, no swizzle: box j at
+// j KB holds column segment j of all 64 rows, 16 bytes a row, so core matrices are 128 bytes apart along the
+// rows and 1 KB apart along the columns) into one of three stages, signalling the stage's full barrier with
+// the transaction bytes; each warp releases a stage on its empty barrier once P V of that chunk is done, and
+// the issuing thread waits for all eight releases before reusing it. No CTA barrier in the loop. (A separate
+// producer warp, 288 threads, caps the registers at 168 per thread, since one of the four schedulers then
+// holds three warps; ptxas then serialized the wgmmas for lack of registers.) A wait that never completes
+// traps: an error, not a hang.
+constexpr int kStagesW4 = 3;
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  for (uint32_t spins = 0;; ++spins) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins > (1u << 26)) __trap();
+  }
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+}
+
+__global__ void __launch_bounds__(2 * kThreads, 1) farw4_kernel(const __grid_constant__ Args a) {
+  constexpr int kTile = 2 * kChunk;
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Kc = reinterpret_cast<T*>(smem);         // [3][64 * K]
+  T* Vc = Kc + kStagesW4 * kChunk * K;        // [3][64 * V]
+  uint64_t* full = reinterpret_cast<uint64_t*>(Vc + kStagesW4 * kChunk * V);
+  uint64_t* empty = full + kStagesW4;
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Chunk c's tiles into its stage (thread 0 only); the stage's previous chunk must be released first.
+  auto issue_load = [&](int c) {
+    const int st = c % kStagesW4;
+    if (c >= kStagesW4) mbar_wait(&empty[st], uint32_t(c / kStagesW4 - 1) & 1);
+    mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * sizeof(T)));
+    const int row = head * kKeys + c * kChunk;
+#pragma unroll 1
+    for (int j = 0; j < K / 8; ++j) tma_load_2d(Kc + st * kChunk * K + j * 512, &a.tk, 8 * j, row, &full[st]);
+#pragma unroll 1
+    for (int j = 0; j < V / 8; ++j) tma_load_2d(Vc + st * kChunk * V + j * 512, &a.tv, 8 * j, row, &full[st]);
+  };
+  if (threadIdx.x == 0) {
+    if (smem_u32(smem) % 128 != 0) __trap();  // TMA destinations must be 128-byte aligned
+    for (int st = 0; st < kStagesW4; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], 8);  // one arrival per warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    issue_load(0);
+    issue_load(1);
+  }
+  const T* qrow = a.q + (size_t(head) * kRows + tile * kTile + 16 * warp) * K;
+  // Core-matrix strides of the TMA layout: k~ (K-major): 1 KB along K, 128 bytes along the keys; v (N-major):
+  // 128 bytes along the keys (the inner dimension of P V), 1 KB along V.
+  constexpr uint32_t kSeg = 1024, kRow8 = 128;
+  uint32_t qa[K / 16][4];
+  {
+    float qt[K / 8][4];
+    load_query_rows(qt, qrow);
+    pack_frags<K / 16>(qa, qt);
+  }
+  float o[V / 8][4];
+  zero_acc(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  float s[8][4];
+  uint32_t pa[4][4];
+  auto issue_scores = [&](int c) {
+    const uint64_t dk = smem_desc(Kc + (c % kStagesW4) * kChunk * K, kSeg, kRow8);
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * kSeg) >> 4), kt > 0);
+    wg_commit();
+  };
+  auto issue_pv = [&](int c) {
+    const uint64_t dv = smem_desc(Vc + (c % kStagesW4) * kChunk * V, kRow8, kSeg);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) wg_m64n128k16_rs<1>(o, pa[kt], dv + ((2 * kt * kRow8) >> 4));
+    wg_commit();
+  };
+  auto softmax = [&]() {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
+    softmax_step(s, m, l, alpha);
+  };
+  auto release = [&](int c) {  // this warp is done with chunk c's stage
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[c % kStagesW4]);
+  };
+  mbar_wait(&full[0], 0);
+  fence_regs(s);
+  wg_fence();
+  issue_scores(0);
+  wg_wait<0>();
+  fence_regs(s);
+  softmax();
+  pack_frags<4>(pa, s);
+  for (int c = 1; c < kNK; ++c) {
+    if (threadIdx.x == 0 && c + 1 < kNK) issue_load(c + 1);
+    __syncwarp();  // warp 0 converged again before its warpgroup's wgmma
+    mbar_wait(&full[c % kStagesW4], uint32_t(c / kStagesW4) & 1);
+    fence_regs(s);
+    fence_regs(o);
+    fence_regs(pa);
+    wg_fence();
+    issue_scores(c);
+    issue_pv(c - 1);
+    wg_wait<1>();  // S_c done; P V of chunk c - 1 may still run
+    fence_regs(s);
+    softmax();
+    wg_wait<0>();  // P V done: o and pa are ours again, chunk c - 1's stage is free
+    release(c - 1);
+    fence_regs(o);
+    fence_regs(pa);
+    scale_rows(o, alpha);
+    pack_frags<4>(pa, s);
+  }
+  fence_regs(o);
+  fence_regs(pa);
+  wg_fence();
+  issue_pv(kNK - 1);
+  wg_wait<0>();
+  fence_regs(o);
+  store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
+}
+
 // v32: a 128-row query tile, 32 rows per warp; the queries staged in shared memory once.
 __global__ void __launch_bounds__(kThreads) far32_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -555,7 +706,31 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(dk, hk.data(), nk * sizeof(T), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dv, hv.data(), nv * sizeof(T), cudaMemcpyHostToDevice));
   const float scale = 1.f / std::sqrt(float(K));
-  const Args args{dq, dk, dv, dout, scale * 1.4426950408889634f};
+  Args args{dq, dk, dv, dout, scale * 1.4426950408889634f, {}, {}};
+  {  // TMA descriptors of k and v (vw4): 2-D [H kKeys][K] bf16, boxes of 64 rows x 8 columns, no swizzle
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
+    if (qr != cudaDriverEntryPointSuccess || !fn) {
+      std::fprintf(stderr, "cuTensorMapEncodeTiled not available\n");
+      return 1;
+    }
+    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    auto make = [&](CUtensorMap* map, const T* base, int cols) {
+      const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(H) * kKeys};
+      const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
+      const cuuint32_t box[2] = {8, cuuint32_t(kChunk)}, estr[2] = {1, 1};
+      const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<T*>(base), dims, strides, box,
+                                estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      if (r != CUDA_SUCCESS) {
+        std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", int(r));
+        std::exit(1);
+      }
+    };
+    make(&args.tk, dk, K);
+    make(&args.tv, dv, V);
+  }
   const double flop = 4.0 * H * double(kRows) * kKeys * K;
   std::printf("far loop: H %d x %d query rows x %d keys, K = V = %d, bf16 (%.2f TFLOP per run)\n", H, kRows, kKeys,
               K, flop * 1e-12);
@@ -578,6 +753,8 @@ int main(int argc, char** argv) {
        2 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
       {"vw3  (vw2, S and P V overlapped with the softmax, m64n128 P V)", farw3_kernel, 2 * kChunk,
        kStagesW3 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
+      {"vw4  (vw3 with its tiles loaded by TMA, mbarriers)", farw4_kernel, 2 * kChunk,
+       kStagesW4 * size_t(kChunk) * (K + V) * sizeof(T) + 2 * kStagesW4 * sizeof(uint64_t), 2 * kThreads},
   };
   bool ok = true;
   std::vector<float> ho(size_t(2 * kChunk) * V);
