@@ -126,6 +126,13 @@ __device__ __forceinline__ void load_query_rows(float (&qt)[K / 8][4], const T* 
     for (int e = 0; e < 4; ++e) qt[nt][e] = to_f(row0[size_t(g + 8 * (e >> 1)) * K + 8 * nt + 2 * t + (e & 1)]);
 }
 
+// The same rows packed once as bf16 A fragments (K / 16 k-steps).
+__device__ __forceinline__ void load_query_frags(uint32_t (&qa)[K / 16][4], const T* row0) {
+  float qt[K / 8][4];
+  load_query_rows(qt, row0);
+  pack_frags<K / 16>(qa, qt);
+}
+
 constexpr size_t kTileBytes = 2 * (size_t(kChunk) * LK + size_t(kChunk) * LV) * sizeof(T);
 
 template <int VER>  // 0: v16, 1: v16p, 2: v16x2 (v16 with 8 warps sharing the k / v tiles: a 128-row tile)
@@ -302,11 +309,7 @@ __global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
   constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
   constexpr uint32_t k_lbo = kAlongRow, k_sbo = kKRows, v_lbo = kVRows, v_sbo = kAlongRow;
   uint32_t qa[K / 16][4];
-  {
-    float qt[K / 8][4];
-    load_query_rows(qt, qrow);
-    pack_frags<K / 16>(qa, qt);
-  }
+  load_query_frags(qa, qrow);
   float o[V / 8][4];
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
@@ -357,60 +360,42 @@ __global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
 // in flight across the loop's back edge (products in flight there make ptxas serialize every wgmma: it
 // reported so for a version that carried the next chunk's scores over it). Three tile stages: chunk c - 1
 // (its v multiplied), chunk c (scored), chunk c + 1 (loading).
-constexpr int kStagesW3 = 3;
-__global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
-  constexpr int NT = 2 * kThreads, kTile = 2 * kChunk;
-  extern __shared__ __align__(16) uint8_t smem[];
-  T* Kc = reinterpret_cast<T*>(smem);             // [3][64 * K], core-matrix layout
-  T* Vc = Kc + kStagesW3 * kChunk * K;            // [3][64 * V]
-  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
-  const int warp = threadIdx.x >> 5;
-  const T* kp = a.k + size_t(head) * kKeys * K;
-  const T* vp = a.v + size_t(head) * kKeys * V;
-  const T* qrow = a.q + (size_t(head) * kRows + tile * kTile + 16 * warp) * K;
-  auto load = [&](int c) {
-    const int st = c % kStagesW3;
-    load_core_async<K, NT>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
-    load_core_async<V, NT>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
-    cp_async_commit();
-  };
-  constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
+//
+// The consumer side, shared with vw4: this warp's 16 query rows at qrow; stage st of the k~ / v tiles at
+// Kc + st 64 K, Vc + st 64 V, their core matrices lbo apart along the product's inner dimension and sbo apart
+// along the other (k~: K-major; v: N-major); ready(c) makes chunk c's tiles visible (and may start later
+// loads), release(c) says this warp is done with chunk c's tiles.
+template <int kStages, class Ready, class Release>
+__device__ __forceinline__ void overlap_consumer(const Args& a, const T* qrow, float* orow, const T* Kc, const T* Vc,
+                                                 uint32_t k_lbo, uint32_t k_sbo, uint32_t v_lbo, uint32_t v_sbo,
+                                                 Ready ready, Release release) {
   uint32_t qa[K / 16][4];
-  {
-    float qt[K / 8][4];
-    load_query_rows(qt, qrow);
-    pack_frags<K / 16>(qa, qt);
-  }
+  load_query_frags(qa, qrow);
   float o[V / 8][4];
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
   float s[8][4];
   uint32_t pa[4][4];
   auto issue_scores = [&](int c) {
-    const uint64_t dk = smem_desc(Kc + (c % kStagesW3) * kChunk * K, kAlongRow, kKRows);
+    const uint64_t dk = smem_desc(Kc + (c % kStages) * kChunk * K, k_lbo, k_sbo);
 #pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * kAlongRow) >> 4), kt > 0);
+    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * k_lbo) >> 4), kt > 0);
     wg_commit();
   };
   auto issue_pv = [&](int c) {
-    const uint64_t dv = smem_desc(Vc + (c % kStagesW3) * kChunk * V, kVRows, kAlongRow);
+    const uint64_t dv = smem_desc(Vc + (c % kStages) * kChunk * V, v_lbo, v_sbo);
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) wg_m64n128k16_rs<1>(o, pa[kt], dv + ((2 * kt * kVRows) >> 4));
+    for (int kt = 0; kt < 4; ++kt) wg_m64n128k16_rs<1>(o, pa[kt], dv + ((2 * kt * v_lbo) >> 4));
     wg_commit();
   };
-  // The softmax of the scores in s (P left in s; alpha for the rescale of o).
-  auto softmax = [&]() {
+  auto softmax = [&]() {  // P left in s; alpha for the rescale of o
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
     softmax_step(s, m, l, alpha);
   };
-  load(0);
-  load(1);
-  cp_async_wait_group<1>();  // chunk 0 landed
-  fence_async_smem();
-  __syncthreads();
+  ready(0);
   fence_regs(s);
   wg_fence();
   issue_scores(0);
@@ -419,10 +404,7 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
   softmax();
   pack_frags<4>(pa, s);
   for (int c = 1; c < kNK; ++c) {
-    cp_async_wait_group<0>();  // chunk c landed; every warpgroup is past P V of chunk c - 2 (its stage is free)
-    fence_async_smem();
-    __syncthreads();
-    if (c + 1 < kNK) load(c + 1);
+    ready(c);
     fence_regs(s);
     fence_regs(o);
     fence_regs(pa);
@@ -433,6 +415,7 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
     fence_regs(s);
     softmax();
     wg_wait<0>();  // P V done: o and pa are ours again
+    release(c - 1);
     fence_regs(o);
     fence_regs(pa);
     scale_rows(o, alpha);
@@ -444,7 +427,38 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
   issue_pv(kNK - 1);
   wg_wait<0>();
   fence_regs(o);
-  store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
+  store_rows(orow, o, l);
+}
+
+constexpr int kStagesW3 = 3;
+__global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
+  constexpr int NT = 2 * kThreads, kTile = 2 * kChunk;
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Kc = reinterpret_cast<T*>(smem);             // [3][64 * K], core-matrix layout
+  T* Vc = Kc + kStagesW3 * kChunk * K;            // [3][64 * V]
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
+  const int warp = threadIdx.x >> 5;
+  const T* kp = a.k + size_t(head) * kKeys * K;
+  const T* vp = a.v + size_t(head) * kKeys * V;
+  auto load = [&](int c) {
+    const int st = c % kStagesW3;
+    load_core_async<K, NT>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
+    load_core_async<V, NT>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
+    cp_async_commit();
+  };
+  load(0);
+  load(1);
+  auto ready = [&](int c) {  // chunk c landed; every warpgroup is past P V of chunk c - 2 (its stage is free)
+    if (c == 0) cp_async_wait_group<1>();
+    else cp_async_wait_group<0>();
+    fence_async_smem();
+    __syncthreads();
+    if (c > 0 && c + 1 < kNK) load(c + 1);
+  };
+  constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
+  const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
+  overlap_consumer<kStagesW3>(a, a.q + row0 * K, a.o + row0 * V, Kc, Vc, kAlongRow, kKRows, kVRows, kAlongRow, ready,
+                              [](int) {});
 }
 
 // ---- vw4: vw3 with its tiles loaded by TMA (no copy instructions in the warps that multiply): one thread
@@ -519,79 +533,20 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw4_kernel(const __grid_con
     issue_load(0);
     issue_load(1);
   }
-  const T* qrow = a.q + (size_t(head) * kRows + tile * kTile + 16 * warp) * K;
   // Core-matrix strides of the TMA layout: k~ (K-major): 1 KB along K, 128 bytes along the keys; v (N-major):
   // 128 bytes along the keys (the inner dimension of P V), 1 KB along V.
   constexpr uint32_t kSeg = 1024, kRow8 = 128;
-  uint32_t qa[K / 16][4];
-  {
-    float qt[K / 8][4];
-    load_query_rows(qt, qrow);
-    pack_frags<K / 16>(qa, qt);
-  }
-  float o[V / 8][4];
-  zero_acc(o);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-  float s[8][4];
-  uint32_t pa[4][4];
-  auto issue_scores = [&](int c) {
-    const uint64_t dk = smem_desc(Kc + (c % kStagesW4) * kChunk * K, kSeg, kRow8);
-#pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * kSeg) >> 4), kt > 0);
-    wg_commit();
-  };
-  auto issue_pv = [&](int c) {
-    const uint64_t dv = smem_desc(Vc + (c % kStagesW4) * kChunk * V, kRow8, kSeg);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) wg_m64n128k16_rs<1>(o, pa[kt], dv + ((2 * kt * kRow8) >> 4));
-    wg_commit();
-  };
-  auto softmax = [&]() {
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= a.sl2;
-    softmax_step(s, m, l, alpha);
+  auto ready = [&](int c) {
+    if (c > 0 && threadIdx.x == 0 && c + 1 < kNK) issue_load(c + 1);
+    __syncwarp();  // warp 0 converged again before its warpgroup's wgmma
+    mbar_wait(&full[c % kStagesW4], uint32_t(c / kStagesW4) & 1);
   };
   auto release = [&](int c) {  // this warp is done with chunk c's stage
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[c % kStagesW4]);
   };
-  mbar_wait(&full[0], 0);
-  fence_regs(s);
-  wg_fence();
-  issue_scores(0);
-  wg_wait<0>();
-  fence_regs(s);
-  softmax();
-  pack_frags<4>(pa, s);
-  for (int c = 1; c < kNK; ++c) {
-    if (threadIdx.x == 0 && c + 1 < kNK) issue_load(c + 1);
-    __syncwarp();  // warp 0 converged again before its warpgroup's wgmma
-    mbar_wait(&full[c % kStagesW4], uint32_t(c / kStagesW4) & 1);
-    fence_regs(s);
-    fence_regs(o);
-    fence_regs(pa);
-    wg_fence();
-    issue_scores(c);
-    issue_pv(c - 1);
-    wg_wait<1>();  // S_c done; P V of chunk c - 1 may still run
-    fence_regs(s);
-    softmax();
-    wg_wait<0>();  // P V done: o and pa are ours again, chunk c - 1's stage is free
-    release(c - 1);
-    fence_regs(o);
-    fence_regs(pa);
-    scale_rows(o, alpha);
-    pack_frags<4>(pa, s);
-  }
-  fence_regs(o);
-  fence_regs(pa);
-  wg_fence();
-  issue_pv(kNK - 1);
-  wg_wait<0>();
-  fence_regs(o);
-  store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
+  const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
+  overlap_consumer<kStagesW4>(a, a.q + row0 * K, a.o + row0 * V, Kc, Vc, kSeg, kRow8, kRow8, kSeg, ready, release);
 }
 
 // v32: a 128-row query tile, 32 rows per warp; the queries staged in shared memory once.
