@@ -38,6 +38,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -206,22 +207,18 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 __device__ __forceinline__ void wg_wait0() { wg_wait<0>(); }
 // Shared memory written through the generic proxy (cp.async, stores) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Ties accumulator registers to this point (after a wait, before a fence): the compiler may not move their
-// reads or writes across it.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+// Ties registers a wgmma writes (fp32 accumulators) or reads while in flight (uint32 A fragments) to this point
+// (after a wait, before a fence): the compiler may not move their reads or writes across it.
+template <typename E, int N>
+__device__ __forceinline__ void fence_regs(E (&d)[N][4]) {
+  static_assert(std::is_same_v<E, float> || std::is_same_v<E, uint32_t>, "fence_regs: fp32 or 32-bit registers");
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-// The same for A fragments a wgmma reads from registers while in flight.
-template <int N>
-__device__ __forceinline__ void fence_regs(uint32_t (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[i][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<E, float>) asm volatile("" : "+f"(d[i][e])::"memory");
+      else asm volatile("" : "+r"(d[i][e])::"memory");
+    }
 }
 
 // d (the warpgroup's 64 x 64 fp32 tile; this warp's 16 rows in the mma.sync C layout, 8 n-blocks) += A B, with

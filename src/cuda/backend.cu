@@ -352,19 +352,24 @@ class SideStream {
 template <class P, class Run>
 Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
-  if (p.workspace_limit < 0) {
-    Workspace ws(s);
-    return run(p, pr, ws);
-  }
-  const int64_t limit = workspace_limit(p.workspace_limit, p.q, p.k, p.v);
+  const int64_t limit = p.workspace_limit < 0 ? -1 : workspace_limit(p.workspace_limit, p.q, p.k, p.v);
+  // A slice's workspace depends on its counts of batch rows and kv heads only (every batch row has the same
+  // length; cu_seqlens calls slice heads only): measured once per shape, since the plans below ask often.
   Status err = Status::Ok();
+  struct Measured {
+    int64_t nb, nh, bytes;
+  };
+  std::vector<Measured> memo;
   auto cost = [&](const Slice& sl) -> int64_t {
+    for (const Measured& x : memo)
+      if (x.nb == sl.nb && x.nh == sl.nh) return x.bytes;
     Workspace m(s, true);
     const Status st = run(sub_params(p, pr, sl), sub_problem(pr, sl), m);
     if (!st.ok() && err.ok()) err = st;
-    return int64_t(m.bytes());
+    memo.push_back({sl.nb, sl.nh, int64_t(m.bytes())});
+    return memo.back().bytes;
   };
-  if (cost(Slice{0, pr.B, 0, pr.H}) <= limit) {
+  if (limit < 0 || cost(Slice{0, pr.B, 0, pr.H}) <= limit) {
     PA_TRY(err);
     Workspace ws(s);
     return run(p, pr, ws);
@@ -373,19 +378,15 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   // not heads), the halved slices fit half the limit and are at most twice as many; else one. Measured
   // (forward+backward, ms, one stream -> two): K = 128 (one head per slice): T = 1k 26.9 -> 24.4, T = 4k
   // 38.3 -> 32.7; K = 64 (three or four heads per slice on one stream): T = 4k 30.1 -> 32.3, T = 16k
-  // 72.3 -> 78; K = 128, T = 8k, 16 slices of four rows -> 64 of one row: 69.6 with two streams.
+  // 72.3 -> 78; K = 128, T = 8k, 16 slices of four rows -> 64 of one row: 69.6 with two streams. The first
+  // slice of a plan is its largest (the others are it or a remainder), so its workspace sizes the blocks.
   const bool batch_ok = !p.cu_seqlens.present();
-  auto block_of = [&](const std::vector<Slice>& sl) {
-    size_t b = 0;
-    for (const Slice& x : sl) b = std::max(b, size_t(cost(x)));
-    return b;
-  };
   std::vector<Slice> slices = plan_slices(pr, batch_ok, limit, cost);
-  size_t block = block_of(slices);
+  size_t block = size_t(cost(slices[0]));
   int lanes = 1;
   if (slices[0].nh == 1) {
     std::vector<Slice> two = plan_slices(pr, batch_ok, limit / 2, cost);
-    const size_t b2 = block_of(two);
+    const size_t b2 = size_t(cost(two[0]));
     if (int64_t(b2) <= limit / 2 && two.size() <= 2 * slices.size()) {
       lanes = 2;
       slices = std::move(two);
