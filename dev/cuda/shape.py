@@ -7,6 +7,7 @@ do_bench) and prints the per-kernel split (PATHATTN_CUDA_PROFILE). Meant for ker
     ncu -k regex:bwd_chunk --launch-count 1 python3 dev/cuda/shape.py --no-time ...
 """
 import argparse
+import ctypes
 import os
 import sys
 
