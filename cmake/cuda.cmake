@@ -32,9 +32,14 @@ set_target_properties(pathattn PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 1
 target_compile_definitions(pathattn PRIVATE PATHATTN_WITH_CUDA)
 target_link_libraries(pathattn PUBLIC CUDA::cudart)
 
-add_library(pathattn_capi SHARED src/cuda/capi.cu src/core/validate.cpp $<TARGET_OBJECTS:pathattn_cuda>)
+add_library(pathattn_capi SHARED src/cuda/capi.cu src/core/validate.cpp src/core/slicing.cpp
+  $<TARGET_OBJECTS:pathattn_cuda>)
 set_target_properties(pathattn_capi PROPERTIES CUDA_ARCHITECTURES OFF)
 target_include_directories(pathattn_capi PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
 target_compile_options(pathattn_capi PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3>)
 target_compile_definitions(pathattn_capi PRIVATE PATHATTN_WITH_CUDA)
 target_link_libraries(pathattn_capi PRIVATE CUDA::cudart_static)
+# A symbol left undefined fails the link here rather than the first dlopen on a GPU machine.
+if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
+  target_link_options(pathattn_capi PRIVATE -Wl,--no-undefined)
+endif()
