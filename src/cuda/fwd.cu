@@ -25,7 +25,7 @@ struct FwdSmem {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kFwdThreads) fwd_scan_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_scan_kernel(KernelParams p) {
   using S = FwdSmem<T, K, V>;
   constexpr int LK = S::LK, LV = S::LV;
   extern __shared__ __align__(16) uint8_t smem[];
