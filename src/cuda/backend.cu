@@ -249,19 +249,20 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
   PA_TRY(alloc_super(ws, kp, t, pr));
-  // Superblock-backward grid: one CTA per SM (each with a scratch of kSuperChunks x K x K floats).
+  // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
   int sb_grid = 0;
+  const int sb_rows = super_rows(int(K), kp.nsuper * int(H), p.deterministic);
   if (kp.nsuper > 0) {
     int dev = 0, sms = 0;
     PA_CU(cudaGetDevice(&dev));
     PA_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    sb_grid = std::min(kp.nsuper * int(H), sms);
+    sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
     __half* qhat = nullptr;
     PA_CU(ws.alloc(&qhat, NT * HQ * K));
     kp.qhat = qhat;
     PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
-    PA_CU(ws.alloc(&kp.sscr, size_t(sb_grid) * kSuperChunks * K * K));
+    PA_CU(ws.alloc(&kp.sscr, size_t(sb_grid) * kSuperChunks * sb_rows * K));
     PA_CU(ws.zero(kp.dks, NT * H * K * sizeof(float)));
     PA_CU(ws.zero(kp.dps, size_t(kp.nsuper) * H * K * K * sizeof(float)));
   }
@@ -292,7 +293,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("bwd_q");
   PA_CU(launch_bwd_k(kp, dt, gk, s));
   prof.mark("bwd_k");
-  PA_CU(launch_super_bwd(kp, dt, sb_grid, s));
+  PA_CU(launch_super_bwd(kp, dt, sb_rows, sb_grid, s));
   prof.mark("super_bwd");
   PA_CU(launch_bwd_chunk(kp, dt, s));
   prof.mark("bwd_chunk");

@@ -92,7 +92,7 @@ struct KernelParams {
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
   float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
-  float* sscr;      // [grid, kSuperChunks, K, K] per-CTA scratch of super_bwd
+  float* sscr;      // [grid, kSuperChunks, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
   bool deterministic;
 };
 

@@ -13,9 +13,13 @@ namespace pathattn::cuda {
 cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s);
 // Per (full superblock, kv head): keys moved to the superblock's end (ks) and the superblock product (ps).
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s);
-// Backward of the superblock products: dPS and dks into the chunk products' dP. Persistent grid of `grid` CTAs,
-// each with a scratch of kSuperChunks x K x K floats (p.sscr).
-cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int grid, cudaStream_t s);
+// Rows of the K x K superblock products per CTA for `items` (superblock, kv head) items: K when `whole`, else
+// halved (down to 32) while the items' row blocks leave SMs idle.
+int super_rows(int K, int items, bool whole);
+// Backward of the superblock products: dPS and dks into the chunk products' dP, in blocks of `rows` rows of the
+// products (super_rows: all K in deterministic mode; smaller blocks add into dP with atomics). Persistent grid
+// of `grid` CTAs, each with a scratch of kSuperChunks x rows x K floats (p.sscr).
+cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s);
 // Per (sequence, query head): G = inclusive cumsum of g.
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);
 // Forward scan: per (query chunk, query head), keys right to left; writes o and lse.
@@ -37,8 +41,8 @@ int bwd_k_max_grid(const KernelParams& p, int dtype);
 // Dynamic shared memory each kernel asks for (for the "device too small" check).
 size_t smem_fwd_scan(int K, int V);
 size_t smem_chunk_prep(int K);
-size_t smem_super_prep(int K);
-size_t smem_super_bwd(int K);
+size_t smem_super_prep(int K);  // the largest row block's
+size_t smem_super_bwd(int K);  // the largest row block's
 size_t smem_bwd_q(int K, int V);
 size_t smem_bwd_k(int K, int V);
 size_t smem_bwd_chunk(int K);

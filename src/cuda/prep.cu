@@ -2,6 +2,8 @@
 // ALGORITHMS.md section 2), the superblock products of the forward's two-level scan, the gate cumsum, the
 // backward's delta and the final dg reverse cumsum.
 // Shapes follow kernel_params.h; C = kChunk = 64.
+#include <type_traits>
+
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -122,96 +124,108 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
   PA_PROBE(9);
 }
 
-// M <- M P_c = M - (M W_c^T) W2_c for a K x K fp32 matrix M in shared memory (leading dim LM), through the
-// K x 64 buffer Y (leading dim LY), with the chunk's fp16 W and W2 tiles (leading dim LT). Ends after the
-// products' last write to M: callers sync before reading M.
-template <int K, int LM, int LY, int LT>
+// M <- M P_c = M - (M W_c^T) W2_c for an MR x K block of rows of a fp32 matrix M in shared memory (leading
+// dim LM), through the MR x 64 buffer Y (leading dim LY), with the chunk's fp16 W and W2 tiles (leading dim
+// LT). A right product keeps rows apart, so a block of M's rows evolves on its own. Ends after the products'
+// last write to M: callers sync before reading M.
+template <int MR, int K, int LM, int LY, int LT>
 __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, const __half* Ws, const __half* W2s) {
-  block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Mf[r * LM + k]; },
-                                   [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
-                                   [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+  block_mm_tc<MR, kChunk, K, false>([&](int r, int k) { return Mf[r * LM + k]; },
+                                    [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
+                                    [&](int r, int n, float v) { Yf[r * LY + n] = v; });
   __syncthreads();
-  block_mm_tc<K, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
-                                   [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
-                                   [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
+  block_mm_tc<MR, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
+                                    [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
+                                    [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
 }
 
-// Per (full superblock, kv head): walks the superblock's chunks from the last down with the running product
-// M = P_last ... P_{c+1} (fp32 in shared memory, tf32 mma): ks_c = k~_c M^T, then M <- M P_c =
-// M - (M W_c^T) W2_c with the fp16 W, W2 of the chunk (the same operands the scans transport with).
-// At the end M = P_last ... P_first is stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
-template <int K>
+// Per (full superblock, kv head, block of kSuperRows rows of M): walks the superblock's chunks from the last
+// down with the running product M = P_last ... P_{c+1} (fp32 in shared memory, tf32 mma): ks_c = k~_c M^T,
+// then M <- M P_c = M - (M W_c^T) W2_c with the fp16 W, W2 of the chunk (the same operands the scans transport
+// with). Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so an item may run as
+// K / RB CTAs of RB rows each (super_rows): the chain is serial (8 chunk products per item), and a call with
+// few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle, while with items
+// enough to fill the device the split only repeats the tile loads. At the end M = P_last ... P_first is
+// stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
+constexpr int kSuperRows = 32;  // the smallest row block
+
+template <int K, int RB>
 struct SuperSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
-  static constexpr size_t bytes = sizeof(float) * (size_t(K) * LM + size_t(K) * LY) + 3 * 2 * size_t(kChunk) * LT;
+  static constexpr size_t bytes = sizeof(float) * (size_t(RB) * LM + size_t(RB) * LY) + 3 * 2 * size_t(kChunk) * LT;
 };
 
-template <typename T, int K>
+template <typename T, int K, int RB>
 __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p) {
-  using S = SuperSmem<K>;
-  constexpr int LM = S::LM, LY = S::LY, LT = S::LT;
+  using S = SuperSmem<K, RB>;
+  constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / RB;
   extern __shared__ float sm[];
-  float* Mf = sm;
-  float* Yf = Mf + K * LM;
-  T* Kt = reinterpret_cast<T*>(Yf + K * LY);
+  float* Mf = sm;  // rows j0 .. j0 + RB - 1 of M
+  float* Yf = Mf + RB * LM;
+  T* Kt = reinterpret_cast<T*>(Yf + RB * LY);
   __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
   __half* W2s = Ws + kChunk * LT;
 
-  const int2 ih = item_and_head(p.H);
-  const int sbi = ih.x, h = ih.y, tid = threadIdx.x;
+  // Row blocks fastest: the CTAs of one item run side by side and share their tiles through L2.
+  const int j0 = int(blockIdx.x % NB) * RB, item = int(blockIdx.x / NB);
+  const int sbi = item / p.H, h = item % p.H, tid = threadIdx.x;
   const int c0 = p.super_first[sbi];
   const ChunkDesc ch = p.chunks[c0];
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
   const T* ktp = static_cast<const T*>(p.kt);
   T* ksp = static_cast<T*>(p.ks);
-  for (int idx = tid; idx < K * K; idx += blockDim.x) Mf[(idx / K) * LM + idx % K] = idx / K == idx % K ? 1.f : 0.f;
+  for (int idx = tid; idx < RB * K; idx += blockDim.x) Mf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
   for (int c = kSuperChunks - 1; c >= 0; --c) {
     const int64_t t0 = tok0 + int64_t(c) * kChunk;  // every chunk of a full superblock has kChunk rows
     __syncthreads();
     stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.w16, p.H), 0, h, Ws, LT, t0, kChunk);
     stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
     __syncthreads();
-    // ks_c = k~_c M^T.
-    block_mm_tc<kChunk, K, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
-                                  [&](int k, int n) { return Mf[n * LM + k]; },
-                                  [&](int r, int n, float v) { ksp[((t0 + r) * p.H + h) * K + n] = from_f<T>(v); });
-    right_mul_chunk_product<K, LM, LY, LT>(Mf, Yf, Ws, W2s);
+    // ks_c[:, j0 + n] = k~_c M[j0 + n, :]^T.
+    block_mm_tc<kChunk, RB, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
+                                      [&](int k, int n) { return Mf[n * LM + k]; },
+                                      [&](int r, int n, float v) { ksp[((t0 + r) * p.H + h) * K + j0 + n] = from_f<T>(v); });
+    right_mul_chunk_product<RB, K, LM, LY, LT>(Mf, Yf, Ws, W2s);
   }
   __syncthreads();
-  __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
-  for (int idx = tid; idx < K * K; idx += blockDim.x) out[idx] = __float2half_rn(Mf[(idx / K) * LM + idx % K]);
+  __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
+  for (int idx = tid; idx < RB * K; idx += blockDim.x) out[idx] = __float2half_rn(Mf[(idx / K) * LM + idx % K]);
 }
 
-// Backward of the superblock products, per (full superblock, kv head); persistent grid, per-CTA scratch of
-// kSuperChunks K x K fp32 matrices. With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and the far
-// keys ks_c = k~_c M_c^T, the gradients dPS (query side) and dks (key side) reach the chunk products as
+// Backward of the superblock products, per (full superblock, kv head) and block of MR rows (super_rows; all
+// K rows in deterministic mode); persistent grid, per-CTA scratch of kSuperChunks blocks of its rows of M
+// (fp32). With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and the far keys ks_c = k~_c M_c^T, the
+// gradients dPS (query side) and dks (key side) reach the chunk products as
 //   dP_c += M_c^T R_c,   R_0 = dPS,   R_{c+1} = R_c P_c^T + dks_c^T k~_c
 // (added to dP, which the query side filled for the pairs inside a superblock). The key-side chain already
-// carried the far gradient into dk~. tf32 mma, fp32 accumulation; fixed order (deterministic).
-template <int K>
+// carried the far gradient into dk~. Both chains are right products, so a block of rows of M and R runs on
+// its own; dP_c is then the sum over the blocks of M_c[J, :]^T R_c[J, :], added with fp32 atomics. With
+// MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation.
+template <int K, int MR>
 struct SuperBwdSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
-  static constexpr size_t bytes = sizeof(float) * (size_t(K) * LM + size_t(K) * LY + size_t(kChunk) * LM) +
+  static constexpr size_t bytes = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM) +
                                   3 * 2 * size_t(kChunk) * LT;
 };
 
-template <typename T, int K>
+template <typename T, int K, int MR>
 __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams p, int nitems) {
-  using S = SuperBwdSmem<K>;
-  constexpr int LM = S::LM, LY = S::LY, LT = S::LT;
+  using S = SuperBwdSmem<K, MR>;
+  constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / MR;
   extern __shared__ float sm[];
-  float* Rf = sm;                 // M (pass 1), then R (pass 2)
-  float* Yf = Rf + K * LM;
-  float* dKs = Yf + K * LY;       // [64][LM] dks of one chunk
+  float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of M (pass 1), then of R (pass 2)
+  float* Yf = Rf + MR * LM;
+  float* dKs = Yf + MR * LY;      // [64][LM] dks of one chunk
   T* Kt = reinterpret_cast<T*>(dKs + kChunk * LM);
   __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
   __half* W2s = Ws + kChunk * LT;
-  float* Msc = p.sscr + size_t(blockIdx.x) * kSuperChunks * K * K;
+  float* Msc = p.sscr + size_t(blockIdx.x) * kSuperChunks * MR * K;
   const T* ktp = static_cast<const T*>(p.kt);
   const int tid = threadIdx.x;
 
-  for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
-    const int sbi = it / p.H, h = it % p.H;
+  for (int it = blockIdx.x; it < nitems * NB; it += gridDim.x) {
+    const int j0 = (it % NB) * MR, item = it / NB;
+    const int sbi = item / p.H, h = item % p.H;
     const int c0 = p.super_first[sbi];
     const ChunkDesc ch = p.chunks[c0];
     const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;
@@ -221,39 +235,42 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     };
     // ---- pass 1: M_last = I, M_{c-1} = M_c - (M_c W_c^T) W2_c, each stored to the scratch.
     __syncthreads();
-    for (int idx = tid; idx < K * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = idx / K == idx % K ? 1.f : 0.f;
+    for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
     for (int c = kSuperChunks - 1; c >= 0; --c) {
       __syncthreads();
-      float* Mc = Msc + size_t(c) * K * K;
-      for (int idx = tid; idx < K * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
+      float* Mc = Msc + size_t(c) * MR * K;
+      for (int idx = tid; idx < MR * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
       if (c == 0) break;
       load_w(c);
       __syncthreads();
-      right_mul_chunk_product<K, LM, LY, LT>(Rf, Yf, Ws, W2s);
+      right_mul_chunk_product<MR, K, LM, LY, LT>(Rf, Yf, Ws, W2s);
     }
     // ---- pass 2: R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
     __syncthreads();
-    const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K;
-    for (int idx = tid; idx < K * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
+    const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
+    for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
     for (int c = 0; c < kSuperChunks; ++c) {
       __syncthreads();
-      const float* Mc = Msc + size_t(c) * K * K;
+      const float* Mc = Msc + size_t(c) * MR * K;
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
-      block_mm_tc<K, K, K, false>([&](int r, int k) { return Mc[k * K + r]; },
-                                  [&](int k, int n) { return Rf[k * LM + n]; },
-                                  [&](int r, int n, float v) { dP[r * K + n] += v; });
+      block_mm_tc<K, K, MR, false>([&](int r, int k) { return Mc[k * K + r]; },
+                                   [&](int k, int n) { return Rf[k * LM + n]; },
+                                   [&](int r, int n, float v) {
+                                     if constexpr (NB == 1) dP[r * K + n] += v;
+                                     else atomicAdd(dP + r * K + n, v);
+                                   });
       if (c == kSuperChunks - 1) break;
       load_w(c);
       stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM,
                       tok0 + int64_t(c) * kChunk, kChunk);
       __syncthreads();
-      block_mm_tc<K, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
-                                       [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
-                                       [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+      block_mm_tc<MR, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
+                                        [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
+                                        [&](int r, int n, float v) { Yf[r * LY + n] = v; });
       __syncthreads();
-      block_mm_tc2<K, K, kChunk, kChunk, false>(
+      block_mm_tc2<MR, K, kChunk, kChunk, false>(
           [&](int r, int k) { return -Yf[r * LY + k]; }, [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
-          [&](int r, int k) { return dKs[k * LM + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
+          [&](int r, int k) { return dKs[k * LM + j0 + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
           [&](int r, int n, float v) { Rf[r * LM + n] += v; });
     }
   }
@@ -327,30 +344,58 @@ __global__ void bwd_delta_kernel(KernelParams p) {
 }  // namespace
 
 size_t smem_chunk_prep(int K) { return K == 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes; }
-size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSmem<128>::bytes; }
-
-template <typename T, int K>
-static cudaError_t super_t(const KernelParams& p, cudaStream_t s) {
-  return launch_with_smem(super_prep_kernel<T, K>, item_head_grid(p.nsuper, p.H), kPrepThreads, smem_super_prep(K), s, p);
+int super_rows(int K, int items, bool whole) {
+  if (whole) return K;
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return K;
+  int rows = K;
+  while (rows > kSuperRows && int64_t(items) * (K / rows) < sms) rows /= 2;
+  return rows;
 }
 
-size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64>::bytes : SuperBwdSmem<128>::bytes; }
-
-template <typename T, int K>
-static cudaError_t super_bwd_t(const KernelParams& p, int grid, cudaStream_t s) {
-  return launch_with_smem(super_bwd_kernel<T, K>, dim3(grid), kPrepThreads, smem_super_bwd(K), s, p, p.nsuper * p.H);
+// Calls a functor with the row block as a compile-time constant (rows in {32, 64, K}).
+template <int K, class F>
+static auto with_rows(int rows, F f) {
+  if constexpr (K == 128) {
+    if (rows == 128) return f(std::integral_constant<int, 128>{});
+  }
+  if (rows == 64) return f(std::integral_constant<int, 64>{});
+  return f(std::integral_constant<int, kSuperRows>{});
 }
 
-cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int grid, cudaStream_t s) {
+size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64, 64>::bytes : SuperSmem<128, 128>::bytes; }
+size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64>::bytes : SuperBwdSmem<128, 128>::bytes; }
+
+template <typename T, int K>
+static cudaError_t super_t(const KernelParams& p, int rows, cudaStream_t s) {
+  return with_rows<K>(rows, [&](auto rb) {
+    constexpr int RB = decltype(rb)::value;
+    return launch_with_smem(super_prep_kernel<T, K, RB>, item_head_grid(p.nsuper, p.H * (K / RB)), kPrepThreads,
+                            SuperSmem<K, RB>::bytes, s, p);
+  });
+}
+
+template <typename T, int K>
+static cudaError_t super_bwd_t(const KernelParams& p, int rows, int grid, cudaStream_t s) {
+  return with_rows<K>(rows, [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    return launch_with_smem(super_bwd_kernel<T, K, MR>, dim3(grid), kPrepThreads, SuperBwdSmem<K, MR>::bytes, s, p,
+                            p.nsuper * p.H);
+  });
+}
+
+cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  if (dtype == 0) return p.K == 64 ? super_bwd_t<__half, 64>(p, grid, s) : super_bwd_t<__half, 128>(p, grid, s);
-  return p.K == 64 ? super_bwd_t<__nv_bfloat16, 64>(p, grid, s) : super_bwd_t<__nv_bfloat16, 128>(p, grid, s);
+  if (dtype == 0) return p.K == 64 ? super_bwd_t<__half, 64>(p, rows, grid, s) : super_bwd_t<__half, 128>(p, rows, grid, s);
+  return p.K == 64 ? super_bwd_t<__nv_bfloat16, 64>(p, rows, grid, s) : super_bwd_t<__nv_bfloat16, 128>(p, rows, grid, s);
 }
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, s) : super_t<__half, 128>(p, s);
-  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, s) : super_t<__nv_bfloat16, 128>(p, s);
+  const int rows = super_rows(p.K, p.nsuper * p.H, false);
+  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, s) : super_t<__half, 128>(p, rows, s);
+  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, s) : super_t<__nv_bfloat16, 128>(p, rows, s);
 }
 
 template <typename T, int K>
