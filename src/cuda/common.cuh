@@ -267,13 +267,15 @@ __device__ __forceinline__ int2 item_and_head(int H) { return make_int2(int(bloc
 inline dim3 item_head_grid(int items, int H) { return dim3(unsigned(int64_t(items) * H)); }
 
 // ----------------------------------------------------------------------------------------------------
-// The scans' online-softmax step for a warp's 16 rows; s in log2 units, overwritten with exp2(s - m_new).
-__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+// The scans' online-softmax step for a warp's 16 rows over NT n-tiles of 8 keys (the scans' chunks: NT = 8);
+// s in log2 units, overwritten with exp2(s - m_new).
+template <int NT>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float mn = fmaxf(m[hr], mx);
@@ -281,7 +283,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&m)[2], fl
     m[hr] = mn;
     float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
       s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - mn);
       s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - mn);
       sum += s[nt][2 * hr] + s[nt][2 * hr + 1];
