@@ -396,9 +396,12 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   }
   PA_TRY(err);
   if (std::getenv("PATHATTN_CUDA_PROFILE") != nullptr)
-    std::fprintf(stderr, "[slices] %zu of %lld rows x %lld kv heads, %d stream(s), block %.1f MiB (limit %.1f, one slice %.1f)\n",
+    std::fprintf(stderr,
+                 "[slices] %zu of %lld rows x %lld kv heads, %d stream(s), block %.1f MiB (limit %.1f, one slice "
+                 "%.1f)\n",
                  slices.size(), static_cast<long long>(slices[0].nb), static_cast<long long>(slices[0].nh), lanes,
-                 double(block) / (1 << 20), double(limit) / (1 << 20), double(cost(Slice{0, pr.B, 0, pr.H})) / (1 << 20));
+                 double(block) / (1 << 20), double(limit) / (1 << 20),
+                 double(cost(Slice{0, pr.B, 0, pr.H})) / (1 << 20));
   SideStream side(s);
   if (lanes > 1) PA_TRY(side.open());
   const cudaStream_t lane[2] = {s, lanes > 1 ? side.get() : s};

@@ -139,7 +139,7 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
                                     [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
 }
 
-// Per (full superblock, kv head, block of kSuperRows rows of M): walks the superblock's chunks from the last
+// Per (full superblock, kv head, block of RB rows of M): walks the superblock's chunks from the last
 // down with the running product M = P_last ... P_{c+1} (fp32 in shared memory, tf32 mma): ks_c = k~_c M^T,
 // then M <- M P_c = M - (M W_c^T) W2_c with the fp16 W, W2 of the chunk (the same operands the scans transport
 // with). Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so an item may run as
