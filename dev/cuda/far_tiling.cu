@@ -455,127 +455,7 @@ struct CoreTiles {
   }
 };
 
-constexpr int kStagesW3 = 3;
-__global__ void __launch_bounds__(2 * kThreads, 1) farw3_kernel(Args a) {
-  constexpr int NT = 2 * kThreads, kTile = 2 * kChunk;
-  extern __shared__ __align__(16) uint8_t smem[];
-  T* Kc = reinterpret_cast<T*>(smem);             // [3][64 * K], core-matrix layout
-  T* Vc = Kc + kStagesW3 * kChunk * K;            // [3][64 * V]
-  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
-  const int warp = threadIdx.x >> 5;
-  const T* kp = a.k + size_t(head) * kKeys * K;
-  const T* vp = a.v + size_t(head) * kKeys * V;
-  auto load = [&](int c) {
-    const int st = c % kStagesW3;
-    load_core_async<K, NT>(Kc + st * kChunk * K, kp + size_t(c) * kChunk * K, K);
-    load_core_async<V, NT>(Vc + st * kChunk * V, vp + size_t(c) * kChunk * V, V);
-    cp_async_commit();
-  };
-  load(0);
-  load(1);
-  auto ready = [&](int c) {  // chunk c landed; every warpgroup is past P V of chunk c - 2 (its stage is free)
-    if (c == 0) cp_async_wait_group<1>();
-    else cp_async_wait_group<0>();
-    fence_async_smem();
-    __syncthreads();
-    if (c > 0 && c + 1 < kNK) load(c + 1);
-  };
-  constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
-  const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
-  const CoreTiles<kStagesW3> tl{Kc, Vc, kAlongRow, kKRows, kVRows, kAlongRow};
-  overlap_consumer<kChunk>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
-                           [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, [](int) {});
-}
-
-// ---- vw4: vw3 with its tiles loaded by TMA (no copy instructions in the warps that multiply): one thread
-// issues each chunk's k / v tiles as 16 + 16 boxes of 64 rows x 8 columns (1 KB each, no swizzle: box j at
-// j KB holds column segment j of all 64 rows, 16 bytes a row, so core matrices are 128 bytes apart along the
-// rows and 1 KB apart along the columns) into one of three stages, signalling the stage's full barrier with
-// the transaction bytes; each warp releases a stage on its empty barrier once P V of that chunk is done, and
-// the issuing thread waits for all eight releases before reusing it. No CTA barrier in the loop. (A separate
-// producer warp, 288 threads, caps the registers at 168 per thread, since one of the four schedulers then
-// holds three warps; ptxas then serialized the wgmmas for lack of registers.) A wait that never completes
-// traps: an error, not a hang.
-constexpr int kStagesW4 = 3;
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  for (uint32_t spins = 0;; ++spins) {
-    uint32_t done;
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (spins > (1u << 26)) __trap();
-  }
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
-      : "memory");
-}
-
-__global__ void __launch_bounds__(2 * kThreads, 1) farw4_kernel(const __grid_constant__ Args a) {
-  constexpr int kTile = 2 * kChunk;
-  extern __shared__ __align__(16) uint8_t smem[];
-  T* Kc = reinterpret_cast<T*>(smem);         // [3][64 * K]
-  T* Vc = Kc + kStagesW4 * kChunk * K;        // [3][64 * V]
-  uint64_t* full = reinterpret_cast<uint64_t*>(Vc + kStagesW4 * kChunk * V);
-  uint64_t* empty = full + kStagesW4;
-  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Chunk c's tiles into its stage (thread 0 only); the stage's previous chunk must be released first.
-  auto issue_load = [&](int c) {
-    const int st = c % kStagesW4;
-    if (c >= kStagesW4) mbar_wait(&empty[st], uint32_t(c / kStagesW4 - 1) & 1);
-    mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * sizeof(T)));
-    const int row = head * kKeys + c * kChunk;
-#pragma unroll 1
-    for (int j = 0; j < K / 8; ++j) tma_load_2d(Kc + st * kChunk * K + j * 512, &a.tk, 8 * j, row, &full[st]);
-#pragma unroll 1
-    for (int j = 0; j < V / 8; ++j) tma_load_2d(Vc + st * kChunk * V + j * 512, &a.tv, 8 * j, row, &full[st]);
-  };
-  if (threadIdx.x == 0) {
-    if (smem_u32(smem) % 128 != 0) __trap();  // TMA destinations must be 128-byte aligned
-    for (int st = 0; st < kStagesW4; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], 8);  // one arrival per warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    issue_load(0);
-    issue_load(1);
-  }
-  // Core-matrix strides of the TMA layout: k~ (K-major): 1 KB along K, 128 bytes along the keys; v (N-major):
-  // 128 bytes along the keys (the inner dimension of P V), 1 KB along V.
-  constexpr uint32_t kSeg = 1024, kRow8 = 128;
-  auto ready = [&](int c) {
-    if (c > 0 && threadIdx.x == 0 && c + 1 < kNK) issue_load(c + 1);
-    __syncwarp();  // warp 0 converged again before its warpgroup's wgmma
-    mbar_wait(&full[c % kStagesW4], uint32_t(c / kStagesW4) & 1);
-  };
-  auto release = [&](int c) {  // this warp is done with chunk c's stage
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[c % kStagesW4]);
-  };
-  const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
-  const CoreTiles<kStagesW4> tl{Kc, Vc, kSeg, kRow8, kRow8, kSeg};
-  overlap_consumer<kChunk>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
-                           [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, release);
-}
+constexpr int kStagesW = 3;  // tile stages of vw3 .. vw7: chunk c - 1 (its v multiplied), c (scored), c + 1 (loading)
 
 // ---- vw5 / vw6: 128-key chunks in 128-byte swizzled tiles, the layout FlashAttention-3 and CUTLASS give wgmma.
 // A tile of kN5 rows x D columns is stored as D / 64 column blocks of 64 columns (128 bytes a row), block cb at
@@ -589,9 +469,7 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw4_kernel(const __grid_con
 // Prediction (written before any run): the swizzled layout alone (vw5, copies still by the consumers) 1.2-1.4x
 // vw3 (273 -> 330-380 TFLOP/s: half the loop iterations, softmax and waits per key, wider products); TMA in
 // four boxes per chunk (vw6) +10-20% over vw5.
-constexpr int kN5 = 128, kStagesW5 = 3;
-constexpr size_t kTileSw = size_t(kN5) * K * sizeof(T);  // one k~ or v tile (K = V), 32 KB
-constexpr size_t kSmemW5 = 2 * kStagesW5 * kTileSw + 1024;  // + alignment slack
+constexpr int kN5 = 128;
 
 __device__ __forceinline__ uint64_t smem_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
   return smem_desc(p, lbo, sbo) | (uint64_t(1) << 62);
@@ -627,85 +505,177 @@ __device__ __forceinline__ void load_sw128_async(T* dst, const T* src, int64_t s
   }
 }
 
-// vw5: vw3's loop (two warpgroups, 128 query rows, S_c issued with P V of chunk c - 1) on 128-key chunks in the
-// swizzled layout, copied by the consumers with cp.async.
-__global__ void __launch_bounds__(2 * kThreads, 1) farw5_kernel(Args a) {
-  constexpr int NT = 2 * kThreads, kTile = 2 * kChunk, kChunks = kKeys / kN5;
+// Tiles of the versions that copy with cp.async (vw3: 64-key chunks, core-matrix layout; vw5: 128-key chunks,
+// swizzled): the chunk size, the copy of chunk c into its stage, and the descriptors.
+template <bool SW>
+struct AsyncTiles {
+  static constexpr int NK = SW ? kN5 : kChunk;
+  static constexpr size_t smem = size_t(kStagesW) * NK * (K + V) * sizeof(T) + 1024;  // + alignment slack
+  T* Ks;
+  T* Vs;
+  template <int NT>
+  __device__ void load(const T* kp, const T* vp, int c) const {
+    const int st = c % kStagesW;
+    if constexpr (SW) {
+      load_sw128_async<K, NT>(Ks + st * NK * K, kp + size_t(c) * NK * K, K);
+      load_sw128_async<V, NT>(Vs + st * NK * V, vp + size_t(c) * NK * V, V);
+    } else {
+      load_core_async<K, NT>(Ks + st * NK * K, kp + size_t(c) * NK * K, K);
+      load_core_async<V, NT>(Vs + st * NK * V, vp + size_t(c) * NK * V, V);
+    }
+    cp_async_commit();
+  }
+  __device__ uint64_t kdesc(int c, int kt) const {
+    if constexpr (SW) return SwTiles<kStagesW>{Ks, Vs}.kdesc(c, kt);
+    else return CoreTiles<kStagesW>{Ks, Vs, 128, (K / 8) * 128, (V / 8) * 128, 128}.kdesc(c, kt);
+  }
+  __device__ uint64_t vdesc(int c, int kt) const {
+    if constexpr (SW) return SwTiles<kStagesW>{Ks, Vs}.vdesc(c, kt);
+    else return CoreTiles<kStagesW>{Ks, Vs, 128, (K / 8) * 128, (V / 8) * 128, 128}.vdesc(c, kt);
+  }
+};
+
+// vw3 (SW = false) and vw5 (SW = true): two warpgroups (128 query rows) copying their tiles with cp.async,
+// three stages, one CTA barrier per chunk.
+template <bool SW>
+__global__ void __launch_bounds__(2 * kThreads, 1) farw_async_kernel(Args a) {
+  using TL = AsyncTiles<SW>;
+  constexpr int NT = 2 * kThreads, kTile = 2 * kChunk, kChunks = kKeys / TL::NK;
   extern __shared__ __align__(16) uint8_t smem[];
-  T* Ks = reinterpret_cast<T*>(align1k(smem));  // [3] tiles of 128 keys x K
-  T* Vs = Ks + kStagesW5 * kN5 * K;              // [3] tiles of 128 keys x V
+  T* Ks = reinterpret_cast<T*>(align1k(smem));
+  const TL tl{Ks, Ks + kStagesW * TL::NK * K};
   const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
   const int warp = threadIdx.x >> 5;
   const T* kp = a.k + size_t(head) * kKeys * K;
   const T* vp = a.v + size_t(head) * kKeys * V;
-  auto load = [&](int c) {
-    const int st = c % kStagesW5;
-    load_sw128_async<K, NT>(Ks + st * kN5 * K, kp + size_t(c) * kN5 * K, K);
-    load_sw128_async<V, NT>(Vs + st * kN5 * V, vp + size_t(c) * kN5 * V, V);
-    cp_async_commit();
-  };
-  load(0);
-  load(1);
+  tl.template load<NT>(kp, vp, 0);
+  tl.template load<NT>(kp, vp, 1);
   auto ready = [&](int c) {  // chunk c landed; every warpgroup is past P V of chunk c - 2 (its stage is free)
     if (c == 0) cp_async_wait_group<1>();
     else cp_async_wait_group<0>();
     fence_async_smem();
     __syncthreads();
-    if (c > 0 && c + 1 < kChunks) load(c + 1);
+    if (c > 0 && c + 1 < kChunks) tl.template load<NT>(kp, vp, c + 1);
   };
   const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
-  const SwTiles<kStagesW5> tl{Ks, Vs};
-  overlap_consumer<kN5>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
-                        [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, [](int) {});
+  overlap_consumer<TL::NK>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
+                           [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, [](int) {});
 }
 
-// vw6: vw5 with its tiles loaded by TMA as vw4 does (thread 0 issues, full / empty mbarriers per stage, no CTA
-// barrier in the loop), each tile as D / 64 boxes of 64 columns x 128 rows with the 128-byte swizzle (tensor
-// maps Args::tk6 / tv6): four boxes per chunk instead of vw4's 32.
-__global__ void __launch_bounds__(2 * kThreads, 1) farw6_kernel(const __grid_constant__ Args a) {
-  constexpr int kTile = 2 * kChunk, kChunks = kKeys / kN5;
-  extern __shared__ __align__(16) uint8_t smem[];
-  T* Ks = reinterpret_cast<T*>(align1k(smem));
-  T* Vs = Ks + kStagesW5 * kN5 * K;
-  uint64_t* full = reinterpret_cast<uint64_t*>(Vs + kStagesW5 * kN5 * V);
-  uint64_t* empty = full + kStagesW5;
-  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto issue_load = [&](int c) {
-    const int st = c % kStagesW5;
-    if (c >= kStagesW5) mbar_wait(&empty[st], uint32_t(c / kStagesW5 - 1) & 1);
-    mbar_expect_tx(&full[st], uint32_t(kN5 * (K + V) * sizeof(T)));
-    const int row = head * kKeys + c * kN5;
-#pragma unroll
-    for (int cb = 0; cb < K / 64; ++cb) tma_load_2d(Ks + st * kN5 * K + cb * kN5 * 64, &a.tk6, 64 * cb, row, &full[st]);
-#pragma unroll
-    for (int cb = 0; cb < V / 64; ++cb) tma_load_2d(Vs + st * kN5 * V + cb * kN5 * 64, &a.tv6, 64 * cb, row, &full[st]);
-  };
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kStagesW5; ++st) {
+// ---- vw4: vw3 with its tiles loaded by TMA (no copy instructions in the warps that multiply): one thread
+// issues each chunk's k / v tiles as 16 + 16 boxes of 64 rows x 8 columns (1 KB each, no swizzle: box j at
+// j KB holds column segment j of all 64 rows, 16 bytes a row, so core matrices are 128 bytes apart along the
+// rows and 1 KB apart along the columns) into one of three stages, signalling the stage's full barrier with
+// the transaction bytes; each warp releases a stage on its empty barrier once P V of that chunk is done, and
+// the issuing thread waits for all eight releases before reusing it. No CTA barrier in the loop. (A separate
+// producer warp, 288 threads, caps the registers at 168 per thread, since one of the four schedulers then
+// holds three warps; ptxas then serialized the wgmmas for lack of registers.) A wait that never completes
+// traps: an error, not a hang.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  for (uint32_t spins = 0;; ++spins) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins > (1u << 26)) __trap();
+  }
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// Tiles of the versions that load by TMA (vw4: 64-key chunks as boxes of 8 columns, no swizzle, so core
+// matrices are 128 bytes apart along the keys and 1 KB apart along the columns; vw6 / vw7: 128-key chunks as
+// boxes of 64 columns, swizzled), with full / empty mbarriers per stage after the tiles.
+template <bool SW>
+struct TmaTiles {
+  static constexpr int NK = SW ? kN5 : kChunk, BC = SW ? 64 : 8;
+  static constexpr size_t smem = size_t(kStagesW) * NK * (K + V) * sizeof(T) + 1024 + 2 * kStagesW * sizeof(uint64_t);
+  T* Ks;
+  T* Vs;
+  uint64_t* full;
+  uint64_t* empty;
+  __device__ static TmaTiles at(uint8_t* smem) {
+    T* k = reinterpret_cast<T*>(align1k(smem));
+    T* v = k + kStagesW * NK * K;
+    uint64_t* f = reinterpret_cast<uint64_t*>(v + kStagesW * NK * V);
+    return {k, v, f, f + kStagesW};
+  }
+  __device__ void init(int consumers) const {  // by one thread, before a CTA barrier
+    for (int st = 0; st < kStagesW; ++st) {
       mbar_init(&full[st], 1);
-      mbar_init(&empty[st], 8);  // one arrival per warp
+      mbar_init(&empty[st], consumers);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  // Chunk c's tiles into its stage (one thread); the stage's previous chunk must be released first.
+  __device__ void issue(const Args& a, int head, int c) const {
+    const int st = c % kStagesW;
+    if (c >= kStagesW) mbar_wait(&empty[st], uint32_t(c / kStagesW - 1) & 1);
+    mbar_expect_tx(&full[st], uint32_t(NK * (K + V) * sizeof(T)));
+    const int row = head * kKeys + c * NK;
+    const CUtensorMap* mk = SW ? &a.tk6 : &a.tk;
+    const CUtensorMap* mv = SW ? &a.tv6 : &a.tv;
+#pragma unroll 1
+    for (int j = 0; j < K / BC; ++j) tma_load_2d(Ks + st * NK * K + j * NK * BC, mk, BC * j, row, &full[st]);
+#pragma unroll 1
+    for (int j = 0; j < V / BC; ++j) tma_load_2d(Vs + st * NK * V + j * NK * BC, mv, BC * j, row, &full[st]);
+  }
+  __device__ void wait_full(int c) const { mbar_wait(&full[c % kStagesW], uint32_t(c / kStagesW) & 1); }
+  __device__ void release(int c) const {  // this warp is done with chunk c's stage
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[c % kStagesW]);
+  }
+  __device__ uint64_t kdesc(int c, int kt) const {
+    if constexpr (SW) return SwTiles<kStagesW>{Ks, Vs}.kdesc(c, kt);
+    else return CoreTiles<kStagesW>{Ks, Vs, 1024, 128, 128, 1024}.kdesc(c, kt);
+  }
+  __device__ uint64_t vdesc(int c, int kt) const {
+    if constexpr (SW) return SwTiles<kStagesW>{Ks, Vs}.vdesc(c, kt);
+    else return CoreTiles<kStagesW>{Ks, Vs, 1024, 128, 128, 1024}.vdesc(c, kt);
+  }
+};
+
+// vw4 (SW = false) and vw6 (SW = true): thread 0 issues the loads of chunk c + 1 at chunk c; no CTA barrier in
+// the loop.
+template <bool SW>
+__global__ void __launch_bounds__(2 * kThreads, 1) farw_tma_kernel(const __grid_constant__ Args a) {
+  using TL = TmaTiles<SW>;
+  constexpr int kTile = 2 * kChunk, kChunks = kKeys / TL::NK;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const TL tl = TL::at(smem);
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
+  const int warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) tl.init(8);
   __syncthreads();
   if (threadIdx.x == 0) {
-    issue_load(0);
-    issue_load(1);
+    tl.issue(a, head, 0);
+    tl.issue(a, head, 1);
   }
   auto ready = [&](int c) {
-    if (c > 0 && threadIdx.x == 0 && c + 1 < kChunks) issue_load(c + 1);
-    __syncwarp();
-    mbar_wait(&full[c % kStagesW5], uint32_t(c / kStagesW5) & 1);
-  };
-  auto release = [&](int c) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[c % kStagesW5]);
+    if (c > 0 && threadIdx.x == 0 && c + 1 < kChunks) tl.issue(a, head, c + 1);
+    __syncwarp();  // warp 0 converged again before its warpgroup's wgmma
+    tl.wait_full(c);
   };
   const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
-  const SwTiles<kStagesW5> tl{Ks, Vs};
-  overlap_consumer<kN5>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
-                        [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, release);
+  overlap_consumer<TL::NK>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
+                           [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, [&](int c) { tl.release(c); });
 }
 
 // vw7: vw6 with FlashAttention-3's warp roles: a producer warpgroup (one thread issues the TMA boxes) and two
@@ -718,51 +688,26 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw6_kernel(const __grid_con
 // prediction. Not understood: how CUTLASS's and FlashAttention-3's kernels get ptxas to allocate the
 // consumer branch at the setmaxnreg count.
 __global__ void __launch_bounds__(3 * kThreads, 1) farw7_kernel(const __grid_constant__ Args a) {
-  constexpr int kTile = 2 * kChunk, kChunks = kKeys / kN5;
+  using TL = TmaTiles<true>;
+  constexpr int kTile = 2 * kChunk, kChunks = kKeys / TL::NK;
   extern __shared__ __align__(16) uint8_t smem[];
-  T* Ks = reinterpret_cast<T*>(align1k(smem));
-  T* Vs = Ks + kStagesW5 * kN5 * K;
-  uint64_t* full = reinterpret_cast<uint64_t*>(Vs + kStagesW5 * kN5 * V);
-  uint64_t* empty = full + kStagesW5;
+  const TL tl = TL::at(smem);
   const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kStagesW5; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (threadIdx.x == 0) tl.init(8);
   __syncthreads();
   // The warpgroup index made warp-uniform (a shuffle from lane 0), so that the branch is too.
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kThreads, 0);
   if (wg == 0) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (threadIdx.x == 0) {
-      for (int c = 0; c < kChunks; ++c) {
-        const int st = c % kStagesW5;
-        if (c >= kStagesW5) mbar_wait(&empty[st], uint32_t(c / kStagesW5 - 1) & 1);
-        mbar_expect_tx(&full[st], uint32_t(kN5 * (K + V) * sizeof(T)));
-        const int row = head * kKeys + c * kN5;
-#pragma unroll
-        for (int cb = 0; cb < K / 64; ++cb)
-          tma_load_2d(Ks + st * kN5 * K + cb * kN5 * 64, &a.tk6, 64 * cb, row, &full[st]);
-#pragma unroll
-        for (int cb = 0; cb < V / 64; ++cb)
-          tma_load_2d(Vs + st * kN5 * V + cb * kN5 * 64, &a.tv6, 64 * cb, row, &full[st]);
-      }
-    }
+    if (threadIdx.x == 0)
+      for (int c = 0; c < kChunks; ++c) tl.issue(a, head, c);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    const int warp = (threadIdx.x - kThreads) >> 5, lane = threadIdx.x & 31;
-    auto ready = [&](int c) { mbar_wait(&full[c % kStagesW5], uint32_t(c / kStagesW5) & 1); };
-    auto release = [&](int c) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[c % kStagesW5]);
-    };
+    const int warp = (threadIdx.x - kThreads) >> 5;
     const size_t row0 = size_t(head) * kRows + tile * kTile + 16 * warp;
-    const SwTiles<kStagesW5> tl{Ks, Vs};
-    overlap_consumer<kN5>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
-                          [&](int c, int kt) { return tl.vdesc(c, kt); }, ready, release);
+    overlap_consumer<TL::NK>(a, a.q + row0 * K, a.o + row0 * V, [&](int c, int kt) { return tl.kdesc(c, kt); },
+                             [&](int c, int kt) { return tl.vdesc(c, kt); }, [&](int c) { tl.wait_full(c); },
+                             [&](int c) { tl.release(c); });
   }
 }
 
@@ -925,15 +870,16 @@ int main(int argc, char** argv) {
       {"vw   (wgmma, one warpgroup, 64-row tile)", farw_kernel<1>, kChunk, 2 * size_t(kChunk) * (K + V) * sizeof(T)},
       {"vw2  (wgmma, two warpgroups, 128-row tile)", farw_kernel<2>, 2 * kChunk,
        2 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
-      {"vw3  (vw2, S and P V overlapped with the softmax, m64n128 P V)", farw3_kernel, 2 * kChunk,
-       kStagesW3 * size_t(kChunk) * (K + V) * sizeof(T), 2 * kThreads},
-      {"vw4  (vw3 with its tiles loaded by TMA, mbarriers)", farw4_kernel, 2 * kChunk,
-       kStagesW4 * size_t(kChunk) * (K + V) * sizeof(T) + 2 * kStagesW4 * sizeof(uint64_t), 2 * kThreads},
-      {"vw5  (vw3 on 128-key chunks, 128-byte swizzled tiles)", farw5_kernel, 2 * kChunk, kSmemW5, 2 * kThreads},
-      {"vw6  (vw5 with its tiles loaded by TMA, four boxes a chunk)", farw6_kernel, 2 * kChunk,
-       kSmemW5 + 2 * kStagesW5 * sizeof(uint64_t), 2 * kThreads},
-      {"vw7  (vw6 with a producer warpgroup, setmaxnreg)", farw7_kernel, 2 * kChunk,
-       kSmemW5 + 2 * kStagesW5 * sizeof(uint64_t), 3 * kThreads},
+      {"vw3  (vw2, S and P V overlapped with the softmax, m64n128 P V)", farw_async_kernel<false>, 2 * kChunk,
+       AsyncTiles<false>::smem, 2 * kThreads},
+      {"vw4  (vw3 with its tiles loaded by TMA, mbarriers)", farw_tma_kernel<false>, 2 * kChunk, TmaTiles<false>::smem,
+       2 * kThreads},
+      {"vw5  (vw3 on 128-key chunks, 128-byte swizzled tiles)", farw_async_kernel<true>, 2 * kChunk,
+       AsyncTiles<true>::smem, 2 * kThreads},
+      {"vw6  (vw5 with its tiles loaded by TMA, four boxes a chunk)", farw_tma_kernel<true>, 2 * kChunk,
+       TmaTiles<true>::smem, 2 * kThreads},
+      {"vw7  (vw6 with a producer warpgroup, setmaxnreg)", farw7_kernel, 2 * kChunk, TmaTiles<true>::smem,
+       3 * kThreads},
   };
   bool ok = true;
   std::vector<float> ho(size_t(2 * kChunk) * V);
