@@ -265,12 +265,39 @@ def main():
             torch.cuda.empty_cache()
 
     if not args.extra_only:
+        deterministic_section(lines, [T for T in Ts if T in (1024, 16384)] or Ts[:1])
         memory_section(lines, args.ours_only)
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         fh.write(text)
     print(text)
+
+
+def deterministic_section(lines, Ts):
+    """Forward+backward time of the deterministic backward against the default one (the MHA shapes)."""
+    lines.append("\n## Deterministic mode (forward+backward ms at the default workspace limit)\n")
+    lines.append("| K | T | default | deterministic | ratio |")
+    lines.append("|---|---|---|---|---|")
+    for K, HQ in ((128, 16), (64, 32)):
+        for T in Ts:
+            B = 32768 // T
+            q, k, v, w, beta, g, do = make_inputs(B, T, HQ, HQ, K, K, False, seed=T + 1)
+            o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
+            lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
+            t = {}
+            for det in (False, True):
+                def fb(det=det):
+                    ours_fwd(q, k, v, w, beta, None, o, lse)
+                    ours_bwd(q, k, v, w, beta, None, o, lse, do, dq, dk, dv, dw, dbeta, None, deterministic=det)
+                t[det] = do_bench(fb, warmup=10, rep=50, return_mode="median")
+            row = f"| {K} | {T} | {t[False]:.2f} | {t[True]:.2f} | {t[True] / t[False]:.2f} |"
+            lines.append(row)
+            print(row, flush=True)
+            del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta
+            torch.cuda.empty_cache()
 
 
 def memory_section(lines, ours_only):
