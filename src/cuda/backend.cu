@@ -313,7 +313,6 @@ int64_t workspace_limit(int64_t requested, const TensorView& q, const TensorView
   return std::max<int64_t>(int64_t(256) << 20, inputs);
 }
 
-using core::plan_slices;
 using core::Slice;
 using core::sub_params;
 using core::sub_problem;
@@ -350,6 +349,8 @@ class SideStream {
 // other stream's slice fills it. Each stream's slices share one block of the largest slice's size
 // (allocated once: slices freeing and allocating through the pool on two streams would make the pool order
 // them).
+constexpr int kMaxLanes = 2;  // streams a sliced call may use (the lane array below holds two)
+
 template <class P, class Run>
 Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
@@ -375,25 +376,18 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
     Workspace ws(s);
     return run(p, pr, ws);
   }
-  // Two streams when one stream's slices are single kv heads already (so the second stream halves batch rows,
-  // not heads), the halved slices fit half the limit and are at most twice as many; else one. Measured
+  // Streams by core::plan_lanes with at most kMaxLanes = 2: two when one stream's slices are single kv heads
+  // already (so the second stream halves batch rows, not heads), the halved slices fit half the limit and are
+  // at most twice as many; else one. Measured
   // (forward+backward, ms, one stream -> two): K = 128 (one head per slice): T = 1k 26.9 -> 24.4, T = 4k
   // 38.3 -> 32.7; K = 64 (three or four heads per slice on one stream): T = 4k 30.1 -> 32.3, T = 16k
   // 72.3 -> 78; K = 128, T = 8k, 16 slices of four rows -> 64 of one row: 69.6 with two streams. The first
   // slice of a plan is its largest (the others are it or a remainder), so its workspace sizes the blocks.
   const bool batch_ok = !p.cu_seqlens.present();
-  std::vector<Slice> slices = plan_slices(pr, batch_ok, limit, cost);
-  size_t block = size_t(cost(slices[0]));
-  int lanes = 1;
-  if (slices[0].nh == 1) {
-    std::vector<Slice> two = plan_slices(pr, batch_ok, limit / 2, cost);
-    const size_t b2 = size_t(cost(two[0]));
-    if (int64_t(b2) <= limit / 2 && two.size() <= 2 * slices.size()) {
-      lanes = 2;
-      slices = std::move(two);
-      block = b2;
-    }
-  }
+  core::LanePlan plan = core::plan_lanes(pr, batch_ok, limit, kMaxLanes, cost);
+  const std::vector<Slice>& slices = plan.slices;
+  const int lanes = plan.lanes;
+  const size_t block = size_t(plan.block);
   PA_TRY(err);
   if (std::getenv("PATHATTN_CUDA_PROFILE") != nullptr)
     std::fprintf(stderr,
