@@ -624,12 +624,19 @@ struct TmaTiles {
     uint64_t* f = reinterpret_cast<uint64_t*>(v + kStagesW * NK * V);
     return {k, v, f, f + kStagesW};
   }
-  __device__ void init(int consumers) const {  // by one thread, before a CTA barrier
-    for (int st = 0; st < kStagesW; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], consumers);  // one arrival per consumer warp
+  // The tiles at the start of the dynamic shared memory, their barriers initialized (by thread 0, then a CTA
+  // barrier): eight consumer warps release each stage.
+  __device__ static TmaTiles setup(uint8_t* smem) {
+    const TmaTiles t = at(smem);
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < kStagesW; ++st) {
+        mbar_init(&t.full[st], 1);
+        mbar_init(&t.empty[st], 8);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+    return t;
   }
   // Chunk c's tiles into its stage (one thread); the stage's previous chunk must be released first.
   __device__ void issue(const Args& a, int head, int c) const {
@@ -666,11 +673,9 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw_tma_kernel(const __grid_
   using TL = TmaTiles<SW>;
   constexpr int kTile = 2 * kChunk, kChunks = kKeys / TL::NK;
   extern __shared__ __align__(16) uint8_t smem[];
-  const TL tl = TL::at(smem);
+  const TL tl = TL::setup(smem);
   const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
   const int warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) tl.init(8);
-  __syncthreads();
   if (threadIdx.x == 0) {
     tl.issue(a, head, 0);
     tl.issue(a, head, 1);
@@ -696,10 +701,8 @@ __global__ void __launch_bounds__(3 * kThreads, 1) farw7_kernel(const __grid_con
   using TL = TmaTiles<true>;
   constexpr int kTile = 2 * kChunk, kChunks = kKeys / TL::NK;
   extern __shared__ __align__(16) uint8_t smem[];
-  const TL tl = TL::at(smem);
+  const TL tl = TL::setup(smem);
   const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
-  if (threadIdx.x == 0) tl.init(8);
-  __syncthreads();
   // The warpgroup index made warp-uniform (a shuffle from lane 0), so that the branch is too.
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kThreads, 0);
   if (wg == 0) {  // producer warpgroup

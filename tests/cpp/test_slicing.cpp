@@ -59,13 +59,16 @@ TEST(Slicing, PlanFollowsTheLimit) {
   }
 }
 
+// lanes, number of slices, block bytes of a lane plan.
+std::vector<int64_t> shape(const core::LanePlan& p) {
+  return {p.lanes, int64_t(p.slices.size()), p.block};
+}
+
 TEST(Slicing, LanesOnlyForSingleHeadSlicesThatHalveWell) {
   auto cost = [](const Slice& s) { return int64_t(100 + 10 * s.nh * s.nb); };
   // Whole call fits: one stream, one slice.
   core::LanePlan a = core::plan_lanes(problem(4, 2, 1), true, 1000, 4, cost);
-  EXPECT_EQ(a.lanes, 1);
-  EXPECT_EQ(a.slices.size(), 1u);
-  EXPECT_EQ(a.block, 180);
+  EXPECT_EQ(shape(a), (std::vector<int64_t>{1, 1, 180}));
   // Slices of several heads: one stream (another would split heads further).
   core::LanePlan b = core::plan_lanes(problem(3, 5, 2), true, 160, 4, cost);
   EXPECT_EQ(b.lanes, 1);
@@ -73,26 +76,18 @@ TEST(Slicing, LanesOnlyForSingleHeadSlicesThatHalveWell) {
   // Single-head slices whose rows another stream cannot hold: one head of all 8 rows costs 180, a row 110.
   const core::Problem p8 = problem(8, 2, 1);
   core::LanePlan c = core::plan_lanes(p8, true, 200, 4, cost);  // shares of 100, 66, 50 hold no row
-  EXPECT_EQ(c.lanes, 1);
-  EXPECT_EQ(c.slices.size(), 2u);
-  EXPECT_EQ(c.block, 180);
+  EXPECT_EQ(shape(c), (std::vector<int64_t>{1, 2, 180}));
   // A share that holds slices, but too many: 240 / 2 = 120 holds 2 rows, 8 slices > 2 x 2.
   core::LanePlan d = core::plan_lanes(p8, true, 240, 4, cost);
-  EXPECT_EQ(d.lanes, 1);
-  EXPECT_EQ(d.slices.size(), 2u);
+  EXPECT_EQ(shape(d), (std::vector<int64_t>{1, 2, 180}));
   // Many rows of one head (cost 20 + 10 a row), limit 150: one stream takes 13 rows (150), 2 slices.
   const core::Problem p16 = problem(16, 1, 1);
   auto big = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
   core::LanePlan g = core::plan_lanes(p16, true, 150, 4, big);
   // Four streams (37): 1 row, 16 slices > 4 x 2: refused. Three (50): 3 rows, 6 slices <= 6: taken (the most
   // streams that qualify). With at most two: 5 rows (70), 4 slices.
-  EXPECT_EQ(g.lanes, 3);
-  EXPECT_EQ(g.slices.size(), 6u);
-  EXPECT_EQ(g.block, 50);
-  core::LanePlan h = core::plan_lanes(p16, true, 150, 2, big);
-  EXPECT_EQ(h.lanes, 2);
-  EXPECT_EQ(h.slices.size(), 4u);
-  EXPECT_EQ(h.block, 70);
+  EXPECT_EQ(shape(g), (std::vector<int64_t>{3, 6, 50}));
+  EXPECT_EQ(shape(core::plan_lanes(p16, true, 150, 2, big)), (std::vector<int64_t>{2, 4, 70}));
   // Rows may not be split (varlen): the halved limit holds no slice, one stream.
   EXPECT_EQ(core::plan_lanes(p16, false, 150, 4, big).lanes, 1);
 }
