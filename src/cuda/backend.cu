@@ -250,12 +250,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
   PA_TRY(alloc_super(ws, kp, t, pr));
   // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
-  int sb_grid = 0;
-  const int sb_rows = super_rows(int(K), kp.nsuper * int(H), p.deterministic);
+  int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
     int dev = 0, sms = 0;
     PA_CU(cudaGetDevice(&dev));
     PA_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    sb_rows = super_rows(int(K), kp.nsuper * int(H), p.deterministic, sms);
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
     __half* qhat = nullptr;
     PA_CU(ws.alloc(&qhat, NT * HQ * K));

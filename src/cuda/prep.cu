@@ -344,11 +344,8 @@ __global__ void bwd_delta_kernel(KernelParams p) {
 }  // namespace
 
 size_t smem_chunk_prep(int K) { return K == 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes; }
-int super_rows(int K, int items, bool whole) {
+int super_rows(int K, int items, bool whole, int sms) {
   if (whole) return K;
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return K;
   int rows = K;
   while (rows > kSuperRows && int64_t(items) * (K / rows) < sms) rows /= 2;
   return rows;
@@ -393,7 +390,11 @@ cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int gri
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  const int rows = super_rows(p.K, p.nsuper * p.H, false);
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  const int rows = super_rows(p.K, p.nsuper * p.H, false, sms);
   if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, s) : super_t<__half, 128>(p, rows, s);
   return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, s) : super_t<__nv_bfloat16, 128>(p, rows, s);
 }
