@@ -17,6 +17,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/backend.cu
   src/cuda/prep.cu
   src/cuda/fwd.cu
+  src/cuda/fwd_far.cu
   src/cuda/bwd_q.cu
   src/cuda/bwd_k.cu
   src/cuda/bwd_chunk.cu

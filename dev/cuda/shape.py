@@ -27,6 +27,9 @@ def main():
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--no-time", action="store_true", help="one forward and one backward only (profilers)")
+    ap.add_argument("--stall-check", action="store_true",
+                    help="host time of a small forward queued right after this shape's forward+backward, no sync "
+                         "in between: near the long call's GPU time means a call's uploads wait for the stream")
     ap.add_argument("--ws-limit-mib", type=int, default=0,
                     help="the calls' workspace limit in MiB (0: the library's default, -1: none)")
     a = ap.parse_args()
@@ -50,6 +53,8 @@ def main():
           f"(limit {'default' if a.ws_limit_mib == 0 else a.ws_limit_mib})", flush=True)
     if a.no_time:
         return
+    if a.stall_check:
+        stall_check(gb, q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
     n = min(a.check_rows, T)
     sl = lambda x: None if x is None else x[:1, :n, :1].contiguous()  # noqa: E731
     ref = gb.ref_fp64(sl(q), sl(k), sl(v), sl(w), sl(beta), sl(g))
@@ -65,6 +70,27 @@ def main():
     os.environ["PATHATTN_CUDA_PROFILE"] = "1"
     fb()
     torch.cuda.synchronize()
+
+
+def stall_check(gb, q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg):
+    """Host seconds of a B = 1, T = 64 forward queued behind this shape's forward+backward."""
+    import time
+    sm = [x[:1, :64].contiguous() if x is not None else None for x in (q, k, v, w, beta, g)]
+    so = torch.empty_like(sm[0][..., :v.shape[-1]])
+    slse = torch.empty(1, 64, q.shape[2], device="cuda", dtype=torch.float32)
+    gb.ours_fwd(*sm, so, slse)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        t0 = time.perf_counter()
+        gb.ours_fwd(q, k, v, w, beta, g, o, lse)
+        gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+        t1 = time.perf_counter()
+        gb.ours_fwd(*sm, so, slse)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        print(f"[stall] host: long f+b queued {1e3 * (t1 - t0):.2f} ms, small fwd queued {1e3 * (t2 - t1):.2f} ms, "
+              f"sync {1e3 * (t3 - t2):.2f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,23 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
   PA_TRY(alloc_super(ws, kp, t, pr));
+  // The far part on Hopper (fwd_far.cu), where this build, the device and the call's shapes allow it: tiles of
+  // two query chunks (an even chunk and the next) past their sequence's superblock 0, most work first.
+  std::vector<int32_t> far_tiles;
+  if (kp.nsuper > 0 && fwd_far_usable(kp)) {
+    for (size_t i = 0; i < t.chunks.size(); ++i)
+      if (t.chunks[i].c >= kSuperChunks && t.chunks[i].c % 2 == 0) far_tiles.push_back(int32_t(i));
+    std::stable_sort(far_tiles.begin(), far_tiles.end(),
+                     [&](int32_t a, int32_t b) { return t.chunks[size_t(a)].c > t.chunks[size_t(b)].c; });
+  }
+  int32_t* far_dev = nullptr;
+  if (!far_tiles.empty()) {
+    const size_t NT = size_t(pr.B) * pr.T;
+    PA_CU(ws.alloc(&kp.ofar, NT * pr.HQ * pr.V));
+    PA_CU(ws.alloc(&kp.lsefar, NT * pr.HQ));
+    PA_CU(ws.alloc(&far_dev, far_tiles.size()));
+    PA_CU(ws.upload(far_dev, far_tiles.data(), far_tiles.size() * sizeof(int32_t)));
+  }
   if (ws.measuring()) return Status::Ok();
   Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
@@ -199,6 +216,10 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("super_prep");
   PA_CU(launch_fwd_scan(kp, dt, s));
   prof.mark("fwd_scan");
+  if (!far_tiles.empty()) {
+    PA_CU(launch_fwd_far(kp, far_dev, int(far_tiles.size()), dt, s));
+    prof.mark("fwd_far");
+  }
   return Status::Ok();
 }
 

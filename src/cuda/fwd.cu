@@ -51,6 +51,9 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
   // Superblocks: chunks [first, qc) are crossed one by one; chunks below `first` are read as ks and crossed
   // a superblock at a time (PaTH only: plain attention has nothing to transport).
   const int first = p.path ? (qc / kSuperChunks) * kSuperChunks : 0;
+  // Split (p.ofar set): this kernel stops at the own superblock's start and fwd_far goes on from there.
+  const bool split = p.ofar != nullptr && first > 0;
+  const int stop = split ? first : 0;
   const T* ksp = static_cast<const T*>(p.ks);
   auto load_chunk = [&](int kc, int st, int nvalid) {
     const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
   load_chunk(qc, 0, nq);
   cp_async_wait_all();
   __syncthreads();
-  if (qc > 0) load_chunk(qc - 1, 1, kChunk);
+  if (qc > stop) load_chunk(qc - 1, 1, kChunk);
   {
     float s[8][4];
 #pragma unroll
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vs, LV, 0);
   }
   // Key chunks right to left.
-  for (int kc = qc - 1; kc >= 0; --kc) {
+  for (int kc = qc - 1; kc >= stop; --kc) {
     const int st = (qc - kc) & 1;
     cp_async_wait_all();
     __syncthreads();
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
       for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, src + r0 * K, K, kChunk);
       cp_async_commit();
     }
-    if (kc > 0) load_chunk(kc - 1, st ^ 1, kChunk);
+    if (kc > stop) load_chunk(kc - 1, st ^ 1, kChunk);
     const T* Kst = Ks + st * kChunk * LK;
     const T* Vst = Vs + st * kChunk * LV;
     const float* Gks = Gk + st * kChunk;
@@ -141,7 +144,10 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
     scale_rows(o, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
     if (cross_chunk) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
-      cp_async_wait_group<1>();  // w16 / w2h of chunk kc landed (the next k~, v may still be in flight)
+      // w16 / w2h of chunk kc landed (the next k~, v, committed after them, may still be in flight; at a split
+      // scan's last chunk nothing was committed after them)
+      if (kc > stop) cp_async_wait_group<1>();
+      else cp_async_wait_all();
       __syncthreads();
       float x[8][4];
       zero_acc(x);
@@ -167,6 +173,18 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
     const int r = rr[hr];
     if (r >= nq) continue;
     const float inv = 1.f / lt;
+    if (split) {  // the state fwd_far starts from: queries at the superblock's start, output so far, its lse
+      const int64_t row = (tokq0 + r) * p.HQ + hq;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+        *reinterpret_cast<float2*>(p.qtl + row * K + 8 * nt + 2 * t4) = make_float2(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+#pragma unroll
+      for (int nt = 0; nt < V / 8; ++nt)
+        *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =
+            make_float2(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
+      if (t4 == 0) p.lsefar[row] = m[hr] + log2f(lt);
+      continue;
+    }
     const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
     T* orow = op + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
 #pragma unroll

@@ -78,6 +78,9 @@ struct KernelParams {
   float* G;         // [NT, HQ]     inclusive gate cumsum (gate only)
   void* ks;         // [NT, H, K]   keys moved to the end of their superblock (full superblocks), dtype of k
   __half* ps;       // [nsuper, H, K, K] superblock products P_last ... P_first, fp16 (forward only)
+  // Forward split at the own superblock's start (fwd_far.cu): set, fwd_scan leaves its state there for fwd_far.
+  float* ofar;      // [NT, HQ, V]  output over the keys of the own superblock, normalized (null: no split)
+  float* lsefar;    // [NT, HQ]     its log2-sum-exp of the scaled scores (base 2)
   // Backward workspace.
   float* delta;     // [NT, HQ]     rowsum(dO * O)
   float* dqt;       // [NT, HQ, K]  gradient w.r.t. the chunk-start queries

@@ -24,6 +24,12 @@ cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int gri
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);
 // Forward scan: per (query chunk, query head), keys right to left; writes o and lse.
 cudaError_t launch_fwd_scan(const KernelParams& p, int dtype, cudaStream_t s);
+// Forward far part on sm_90a (fwd_far.cu), after fwd_scan with p.ofar set: per (tile of two query chunks past
+// their sequence's superblock 0, query head); `tiles` holds each tile's first (even) chunk's table index.
+// fwd_far_usable: this build and device run it and p's shapes and strides suit its TMA tiles.
+bool fwd_far_usable(const KernelParams& p);
+cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s);
+size_t smem_fwd_far(int K);
 // Backward: delta = rowsum(dO * O).
 cudaError_t launch_bwd_delta(const KernelParams& p, int dtype, cudaStream_t s);
 // Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots).

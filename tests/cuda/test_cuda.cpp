@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -288,6 +289,24 @@ TEST(CudaBackend, LongerSequences) {
   s = mk(4097, 1, 1, 128, 128, false, BetaMode::two, DType::bf16, 34);
   s.B = 1;
   check_case(s, false, {}, true);
+}
+
+// The forward's far part runs in fwd_far on sm_90a builds and devices (Hopper); PATHATTN_CUDA_FAR=0 keeps it in
+// fwd_scan, the path of every other device and of strides TMA cannot take. Both against the oracle, past two
+// superblocks, MHA and GQA, gate on and off, an odd number of chunks (the last tile's second chunk absent).
+TEST(CudaBackend, ForwardFarPathAndScanOnly) {
+  REQUIRE_GPU();
+  for (const char* far : {"0", "1"}) {
+    setenv("PATHATTN_CUDA_FAR", far, 1);
+    CaseSpec s = mk(1600, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 91);
+    check_case(s, false, {}, true);
+    s = mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 92);
+    check_case(s, false, {}, true);
+    s = mk(2500, 2, 1, 128, 128, true, BetaMode::near2, DType::bf16, 93);
+    s.B = 1;
+    check_case(s, false, {}, true);
+  }
+  unsetenv("PATHATTN_CUDA_FAR");
 }
 
 // The accuracy bar of the CUDA issue: bf16, T in 512..2048, K in {64, 128}, beta ~ U(0, 2), gate on/off.

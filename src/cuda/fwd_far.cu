@@ -1,0 +1,370 @@
+// cuda/fwd_far.cu: the forward's far part on Hopper (sm_90a). fwd_scan, run with p.ofar set, stops at its own
+// superblock's first chunk and leaves there the query state moved to the superblock's start (fp32, in qtl),
+// the output so far (normalized, fp32, ofar) and its log2-sum-exp (lsefar). This kernel continues each
+// query chunk from that state across the earlier superblocks: attention against their keys moved to the
+// superblock's end (ks), then the query across the superblock, qt <- qt PS, the same fp16 product as
+// fwd_scan's. The loop is the one dev/cuda/far_tiling.cu measured fastest (vw6, 545 TFLOP/s on the far
+// loop against 320 for mma.sync): 128 query rows per CTA (the two chunks of a superblock pair, one warpgroup
+// each), 128-key chunks in 128-byte swizzled tiles loaded by TMA (one thread issues them) into three stages
+// with full / empty mbarriers, S = q k~^T and P V on wgmma with the scores of a chunk issued together with
+// P V of the previous one. The superblock product goes through a fourth tile with its own barriers.
+#include <cudaTypedefs.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/hopper.cuh"
+#include "cuda/launchers.h"
+
+namespace pathattn::cuda {
+namespace {
+
+constexpr int kFarThreads = 256;                                    // two warpgroups
+constexpr int kFarKeys = 128;                                       // keys per far chunk
+constexpr int kFarStages = 3;                                       // chunk c - 1, c, c + 1
+[[maybe_unused]] constexpr int kFarPerSuper = kSuperChunks * kChunk / kFarKeys;      // far chunks per superblock
+
+// The tensor maps of one call: ks [NT][H][K] (3-D), v [B][T][H][V] with its strides (4-D), ps
+// [nsuper H K][K] (2-D); boxes of 64 columns (128 bytes, 128-byte swizzle) by 128 key rows (K rows for ps).
+struct FarMaps {
+  CUtensorMap ks, v, ps;
+  const int32_t* tiles;  // chunk-table index of each tile's first chunk (an even chunk past superblock 0)
+};
+
+template <int K, int V>
+struct FarSmem {
+  static constexpr size_t kTile = size_t(kFarKeys) * K * 2, vTile = size_t(kFarKeys) * V * 2;
+  static constexpr size_t bytes = 1024 + kFarStages * (kTile + vTile) + size_t(K) * K * 2 + 8 * (2 * kFarStages + 2);
+};
+
+template <typename T, int K, int V, bool kGate>
+__global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_constant__ KernelParams p,
+                                                                 const __grid_constant__ FarMaps mp) {
+#ifdef PA_SM90A
+  constexpr int NS = kFarKeys / 8, PK = kFarKeys / 16;
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Ks = reinterpret_cast<T*>(align1k(smem));
+  T* Vs = Ks + kFarStages * kFarKeys * K;
+  __half* PSs = reinterpret_cast<__half*>(Vs + kFarStages * kFarKeys * V);
+  uint64_t* full = reinterpret_cast<uint64_t*>(PSs + K * K);
+  uint64_t* empty = full + kFarStages;
+  uint64_t* ps_full = empty + kFarStages;
+  uint64_t* ps_empty = ps_full + 1;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kFarStages; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], kFarThreads / 32);
+    }
+    mbar_init(ps_full, 1);
+    mbar_init(ps_empty, kFarThreads / 32);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int hq = blockIdx.x % p.HQ, h = hq / p.group;
+  const ChunkDesc ch = p.chunks[mp.tiles[blockIdx.x / p.HQ]];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int qc = ch.c + (warp >> 2);                       // this warpgroup's query chunk
+  const int nq = max(0, min(kChunk, ch.len - qc * kChunk));  // 0: the pair's second chunk is past the end
+  const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};
+  const int S = ch.c / kSuperChunks, nfc = S * kFarPerSuper;  // far superblocks S - 1 .. 0, their chunks
+  const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
+  const float LOG2E = 1.4426950408889634f;
+  const float sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
+  // Far chunk c: superblock S - 1 - c / 4, its 128 keys from c % 4 (the order within a superblock is free).
+  auto key0 = [&](int c) { return int64_t(S - 1 - c / kFarPerSuper) * kSuperChunks * kChunk + (c % kFarPerSuper) * kFarKeys; };
+
+  auto issue = [&](int c) {  // thread 0: chunk c's k~ and v tiles into stage c % 3 once its last reader released it
+    const int st = c % kFarStages;
+    if (c >= kFarStages) mbar_wait(&empty[st], uint32_t(c / kFarStages - 1) & 1);
+    mbar_expect_tx(&full[st], uint32_t(kFarKeys * (K + V) * 2));
+    const int64_t t = ch.t0 + key0(c);
+#pragma unroll 1
+    for (int j = 0; j < K / 64; ++j)
+      tma_load(Ks + st * kFarKeys * K + j * kFarKeys * 64, &mp.ks, 64 * j, h, int(seq_tok0 + key0(c)), &full[st]);
+#pragma unroll 1
+    for (int j = 0; j < V / 64; ++j)
+      tma_load(Vs + st * kFarKeys * V + j * kFarKeys * 64, &mp.v, 64 * j, h, int(t), int(ch.b), &full[st]);
+  };
+  auto issue_ps = [&](int n) {  // thread 0: the product of superblock S - 1 - n (the n-th crossing), once the
+                                // (n - 1)-th was released by every warp
+    if (n >= 1) mbar_wait(ps_empty, uint32_t(n - 1) & 1);
+    mbar_expect_tx(ps_full, uint32_t(K * K * 2));
+    const int row = int((int64_t(ch.sfirst + S - 1 - n) * p.H + h) * K);
+#pragma unroll 1
+    for (int j = 0; j < K / 64; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+  };
+  auto kdesc = [&](int c, int kt) {  // k~ K-major: a k-step is 16 columns (32 bytes) within a 64-column block
+    const char* t = reinterpret_cast<const char*>(Ks + (c % kFarStages) * kFarKeys * K);
+    return smem_desc_sw128(t + (kt / 4) * kFarKeys * 128 + (kt % 4) * 32, 16, 1024);
+  };
+  auto vdesc = [&](int c, int kt) {  // v N-major: a k-step is 16 keys (2 KB); column blocks kFarKeys rows apart
+    const char* t = reinterpret_cast<const char*>(Vs + (c % kFarStages) * kFarKeys * V);
+    return smem_desc_sw128(t + kt * 16 * 128, kFarKeys * 128, 1024);
+  };
+  auto release = [&](int c) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[c % kFarStages]);
+  };
+
+  // The state fwd_scan left: queries at the superblock's start (fp32), the output so far and its lse (base 2).
+  // Rows past the sequence: zero queries, finite state, never stored.
+  float* qrow[2];
+  float o[V / 8][4];
+  float m[2], l[2], alpha[2], Gq[2];
+  uint32_t qa[K / 16][4];
+  {
+    float qt[K / 8][4];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = rr[hr];
+      const bool ok = r < nq;
+      const int64_t row = (tokq0 + r) * p.HQ + hq;
+      qrow[hr] = p.qtl + row * K;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) {
+        const float2 v2 = ok ? *reinterpret_cast<const float2*>(qrow[hr] + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+        qt[nt][2 * hr] = v2.x;
+        qt[nt][2 * hr + 1] = v2.y;
+      }
+      const float* orow = p.ofar + row * V;
+#pragma unroll
+      for (int nt = 0; nt < V / 8; ++nt) {
+        const float2 v2 = ok ? *reinterpret_cast<const float2*>(orow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+        o[nt][2 * hr] = v2.x;
+        o[nt][2 * hr + 1] = v2.y;
+      }
+      m[hr] = ok ? p.lsefar[row] : 0.f;
+      l[hr] = t4 == 0 ? 1.f : 0.f;
+      Gq[hr] = (kGate && ok) ? p.G[row] * gl2 : 0.f;
+    }
+    pack_frags<T, K / 16>(qa, qt);
+  }
+
+  float s[NS][4];
+  uint32_t pa[PK][4];
+  auto issue_scores = [&](int c) {
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) wg_rs<T, 0>(s, qa[kt], kdesc(c, kt), kt > 0);
+    wg_commit();
+  };
+  auto issue_pv = [&](int c) {
+#pragma unroll
+    for (int kt = 0; kt < PK; ++kt) wg_rs<T, 1>(o, pa[kt], vdesc(c, kt));
+    wg_commit();
+  };
+  auto softmax = [&](int c) {  // P left in s; alpha for the rescale of o
+    if constexpr (kGate) {
+      const float* Gk = p.G + (seq_tok0 + key0(c)) * p.HQ + hq;
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - __ldg(Gk + int64_t(8 * nt + 2 * t4 + (e & 1)) * p.HQ) * gl2;
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= sl2;
+    }
+    softmax_step(s, m, l, alpha);
+  };
+  // Across superblock S - c / 4 (its chunks done): qt <- qt PS with fp16 operands; the fp32 state round-trips
+  // through this thread's own qtl entries (registers stay with the loop's tiles).
+  auto cross = [&](int c) {
+    const int n = c / kFarPerSuper - 1;
+    uint32_t qh[K / 16][4];
+    {
+      float qt[K / 8][4];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          const float2 v2 =
+              rr[hr] < nq ? *reinterpret_cast<const float2*>(qrow[hr] + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+          qt[nt][2 * hr] = v2.x;
+          qt[nt][2 * hr + 1] = v2.y;
+        }
+      pack_frags<__half, K / 16>(qh, qt);
+    }
+    mbar_wait(ps_full, uint32_t(n) & 1);
+    float y[K / 8][4];
+    fence_regs(qh);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt)
+      wg_rs<__half, 1>(y, qh[kt], smem_desc_sw128(reinterpret_cast<const char*>(PSs) + kt * 16 * 128, K * 128, 1024),
+                       kt > 0);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(y);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(ps_empty);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      if (rr[hr] >= nq) continue;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+        *reinterpret_cast<float2*>(qrow[hr] + 8 * nt + 2 * t4) = make_float2(y[nt][2 * hr], y[nt][2 * hr + 1]);
+    }
+    pack_frags<T, K / 16>(qa, y);
+  };
+
+  if (threadIdx.x == 0) {
+    issue(0);
+    if (nfc > 1) issue(1);
+    if (S > 1) issue_ps(0);
+  }
+  __syncwarp();
+  mbar_wait(&full[0], 0);
+  fence_regs(s);
+  wg_fence();
+  issue_scores(0);
+  wg_wait<0>();
+  fence_regs(s);
+  softmax(0);
+  scale_rows(o, alpha);  // o starts from fwd_scan's output, relative to the initial m
+  pack_frags<T, PK>(pa, s);
+  for (int c = 1; c < nfc; ++c) {
+    if (threadIdx.x == 0) {
+      if (c + 1 < nfc) issue(c + 1);
+      // The next superblock product once every warp is past this one (its crossing ran at c - 1).
+      if (c % kFarPerSuper == 1 && c > 1 && c / kFarPerSuper < S - 1) issue_ps(c / kFarPerSuper);
+    }
+    __syncwarp();
+    mbar_wait(&full[c % kFarStages], uint32_t(c / kFarStages) & 1);
+    if (c % kFarPerSuper == 0) cross(c);
+    fence_regs(s);
+    fence_regs(o);
+    fence_regs(pa);
+    fence_regs(qa);
+    wg_fence();
+    issue_scores(c);
+    issue_pv(c - 1);
+    wg_wait<1>();  // S_c done; P V of chunk c - 1 may still run
+    fence_regs(s);
+    softmax(c);
+    wg_wait<0>();  // P V done: o and pa are ours again
+    release(c - 1);
+    fence_regs(o);
+    fence_regs(pa);
+    scale_rows(o, alpha);
+    pack_frags<T, PK>(pa, s);
+  }
+  fence_regs(o);
+  fence_regs(pa);
+  wg_fence();
+  issue_pv(nfc - 1);
+  wg_wait<0>();
+  fence_regs(o);
+
+  // Finalise as fwd_scan: o / l, lse = (m + log2 l) ln 2.
+  T* op = static_cast<T*>(p.o);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int r = rr[hr];
+    if (r >= nq) continue;
+    const float inv = 1.f / lt;
+    const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
+    T* orow = op + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * t4) = Pack2<T>::pack(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
+    if (p.lse && t4 == 0)
+      p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
+  }
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against the driver library).
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+        qr != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A tensor map over a 16-bit tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes of 64 elements
+// by box_rows along dimension `row_dim` (1 elsewhere), 128-byte swizzle.
+bool encode(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
+            const cuuint64_t* strides, int row_dim, int box_rows) {
+  cuuint32_t box[4] = {64, 1, 1, 1}, estr[4] = {1, 1, 1, 1};
+  box[row_dim] = cuuint32_t(box_rows);
+  return encode_fn()(map, dt, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, estr,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int K, bool kGate>
+cudaError_t far_t(const KernelParams& p, const FarMaps& mp, int ntiles, cudaStream_t s) {
+  return launch_with_smem(fwd_far_kernel<T, K, K, kGate>, dim3(unsigned(int64_t(ntiles) * p.HQ)), kFarThreads,
+                          FarSmem<K, K>::bytes, s, p, mp);
+}
+
+template <typename T>
+cudaError_t far_dispatch(const KernelParams& p, const FarMaps& mp, int ntiles, cudaStream_t s) {
+  if (p.K == 64) return p.gate ? far_t<T, 64, true>(p, mp, ntiles, s) : far_t<T, 64, false>(p, mp, ntiles, s);
+  return p.gate ? far_t<T, 128, true>(p, mp, ntiles, s) : far_t<T, 128, false>(p, mp, ntiles, s);
+}
+
+}  // namespace
+
+bool fwd_far_usable(const KernelParams& p) {
+  const char* env = std::getenv("PATHATTN_CUDA_FAR");
+  if (env && std::strcmp(env, "0") == 0) return false;
+  if (!p.path || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
+  // TMA wants 16-byte aligned bases and strides.
+  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0) return false;
+  if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.H * p.K >= (int64_t(1) << 40)) return false;
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    cudaFuncAttributes attr{};
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    // The kernel has a body only in an sm_90a build of this file.
+    if (major != 9 || cudaFuncGetAttributes(&attr, fwd_far_kernel<__half, 64, 64, false>) != cudaSuccess) return false;
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+        size_t(optin) < FarSmem<128, 128>::bytes)
+      return false;
+    return attr.binaryVersion == 90 && encode_fn() != nullptr;
+  }();
+  cudaGetLastError();
+  return ok;
+}
+
+size_t smem_fwd_far(int K) { return K == 64 ? FarSmem<64, 64>::bytes : FarSmem<128, 128>::bytes; }
+
+cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s) {
+  if (ntiles == 0) return cudaSuccess;
+  const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  FarMaps mp{};
+  mp.tiles = tiles;
+  const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), K = cuuint64_t(p.K), V = cuuint64_t(p.V);
+  {
+    const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
+    if (!encode(&mp.ks, dt, p.ks, 3, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
+    const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
+    if (!encode(&mp.v, dt, p.v, 4, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
+    if (!encode(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K))) return cudaErrorInvalidValue;
+  }
+  return dtype == 0 ? far_dispatch<__half>(p, mp, ntiles, s) : far_dispatch<__nv_bfloat16>(p, mp, ntiles, s);
+}
+
+}  // namespace pathattn::cuda

@@ -1,0 +1,201 @@
+// cuda/hopper.cuh: sm_90a device helpers: wgmma (warpgroup MMA with A from registers, B from shared memory
+// through a matrix descriptor), TMA tile loads (cp.async.bulk.tensor) and the mbarriers they complete. Only
+// the sm_90a device pass compiles their bodies (PA_SM90A); kernels that use them guard their own bodies the
+// same way, so the library still builds for sm_80 (where those kernels are empty and never launched).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a 128-byte opaque struct; no driver library is linked for it)
+
+#include <type_traits>
+
+#include "cuda/common.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PA_SM90A 1
+#endif
+
+namespace pathattn::cuda {
+
+// ---- Shared-memory matrix descriptors (PTX ISA, "Matrix Descriptor Format"): start address, leading and
+// stride byte offsets (>> 4), and the swizzle mode in bits 62-63 (1 = 128-byte swizzle).
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) | (uint64_t((sbo >> 4) & 0x3FFF) << 32);
+}
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
+  return smem_desc(p, lbo, sbo) | (uint64_t(1) << 62);
+}
+// The first 1024-byte aligned address at or after p (shared memory): 128-byte swizzled tiles start there.
+__device__ __forceinline__ uint8_t* align1k(uint8_t* p) { return p + ((1024u - (smem_u32(p) & 1023u)) & 1023u); }
+
+// ---- wgmma ordering.
+__device__ __forceinline__ void wg_fence() {
+#ifdef PA_SM90A
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#ifdef PA_SM90A
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this warpgroup's committed wgmma groups are pending (groups complete in order).
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#ifdef PA_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Shared memory written through the generic proxy (cp.async, stores) made visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_async_smem() {
+#ifdef PA_SM90A
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Ties registers a wgmma writes (fp32 accumulators) or reads while in flight (uint32 A fragments) to this point
+// (after a wait, before a fence): the compiler may not move their reads or writes across it.
+template <typename E, int N>
+__device__ __forceinline__ void fence_regs(E (&d)[N][4]) {
+  static_assert(std::is_same_v<E, float> || std::is_same_v<E, uint32_t>, "fence_regs: fp32 or 32-bit registers");
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<E, float>) asm volatile("" : "+f"(d[i][e])::"memory");
+      else asm volatile("" : "+r"(d[i][e])::"memory");
+    }
+}
+
+// ---- wgmma products. d (the warpgroup's 64 x N fp32 tile; this warp's 16 rows in the mma.sync C layout, N / 8
+// n-blocks) += A B, A = this warp's 16 x 16 fragment of element type E in registers (the m16n8k16 A layout), B
+// (16 x N, type E) from the descriptor db; TNSPB = 1 reads B stored N-contiguous ([k][n]). acc = 0 ignores d's
+// old values (no instruction has to zero it first). The accumulator operands are spelled out for each N.
+#define PA_WG_D8(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define PA_WG_D64 PA_WG_D8(0), PA_WG_D8(1), PA_WG_D8(2), PA_WG_D8(3), PA_WG_D8(4), PA_WG_D8(5), PA_WG_D8(6), PA_WG_D8(7)
+#define PA_WG_D128                                                                                              \
+  PA_WG_D64, PA_WG_D8(8), PA_WG_D8(9), PA_WG_D8(10), PA_WG_D8(11), PA_WG_D8(12), PA_WG_D8(13), PA_WG_D8(14), \
+      PA_WG_D8(15)
+#define PA_WG_R32                                                                                              \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define PA_WG_R64                                                                                                   \
+  PA_WG_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, " \
+            "%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+template <typename E, int TNSPB>
+__device__ __forceinline__ void wg_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
+#ifdef PA_SM90A
+  if constexpr (std::is_same_v<E, __half>)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" PA_WG_R32
+                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : PA_WG_D64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" PA_WG_R32
+                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : PA_WG_D64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+#endif
+}
+template <typename E, int TNSPB>
+__device__ __forceinline__ void wg_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
+#ifdef PA_SM90A
+  if constexpr (std::is_same_v<E, __half>)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" PA_WG_R64
+                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                 : PA_WG_D128
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" PA_WG_R64
+                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                 : PA_WG_D128
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+#endif
+}
+#undef PA_WG_D8
+#undef PA_WG_D64
+#undef PA_WG_D128
+#undef PA_WG_R32
+#undef PA_WG_R64
+
+// A warp's 16 x (16 KT) fp32 tile in the C layout (2 KT n-tiles) packed as KT k-steps of m16n8k16 A fragments of
+// element type E (the layout wgmma takes its register A operand in), as warp_mma_rs packs its source.
+template <typename E, int KT>
+__device__ __forceinline__ void pack_frags(uint32_t (&a)[KT][4], const float (&s)[2 * KT][4]) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    a[kt][0] = Pack2<E>::pack(s[2 * kt][0], s[2 * kt][1]);
+    a[kt][1] = Pack2<E>::pack(s[2 * kt][2], s[2 * kt][3]);
+    a[kt][2] = Pack2<E>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+    a[kt][3] = Pack2<E>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+  }
+}
+
+// ---- mbarriers and TMA. A wait that never completes gives up after about 2^26 polls and traps (an error the
+// host sees, not a hang).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#ifdef PA_SM90A
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_init_fence() {
+#ifdef PA_SM90A
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+#ifdef PA_SM90A
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef PA_SM90A
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifdef PA_SM90A
+  for (uint32_t spins = 0;; ++spins) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (spins > (1u << 26)) __trap();
+  }
+#endif
+}
+// One TMA box of an N-dimensional tensor map (coordinates innermost first) into shared memory at dst,
+// completing `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+#ifdef PA_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int x, int y, int z, uint64_t* bar) {
+#ifdef PA_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int x, int y, int z, int w,
+                                         uint64_t* bar) {
+#ifdef PA_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+
+}  // namespace pathattn::cuda
