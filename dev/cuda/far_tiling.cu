@@ -46,8 +46,13 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/hopper.cuh"
 #include "cuda/kernel_params.h"
 #include "tf32_nt.cuh"  // CK
+
+#if defined(__CUDA_ARCH__) && !defined(PA_SM90A)
+#error "far_tiling.cu builds for sm_90a only (the wgmma versions): -gencode=arch=compute_90a,code=sm_90a"
+#endif
 
 using namespace pathattn::cuda;
 
@@ -110,19 +115,6 @@ __device__ __forceinline__ void warp_mma_pr(float (&acc)[MT][NT][4], const uint3
   }
 }
 
-// A warp's 16 x (16 KT) fp32 tile in the C layout (2 KT n-tiles: query rows, or probabilities P) packed as
-// KT k-steps of m16n8k16 A fragments, as warp_mma_rs packs its source.
-template <int KT>
-__device__ __forceinline__ void pack_frags(uint32_t (&a)[KT][4], const float (&s)[2 * KT][4]) {
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    a[kt][0] = Pack2<T>::pack(s[2 * kt][0], s[2 * kt][1]);
-    a[kt][1] = Pack2<T>::pack(s[2 * kt][2], s[2 * kt][3]);
-    a[kt][2] = Pack2<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-    a[kt][3] = Pack2<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
-  }
-}
-
 // This warp's 16 query rows (row0 = the tile's first row in global memory) in the C layout, fp32.
 __device__ __forceinline__ void load_query_rows(float (&qt)[K / 8][4], const T* row0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -136,7 +128,7 @@ __device__ __forceinline__ void load_query_rows(float (&qt)[K / 8][4], const T* 
 __device__ __forceinline__ void load_query_frags(uint32_t (&qa)[K / 16][4], const T* row0) {
   float qt[K / 8][4];
   load_query_rows(qt, row0);
-  pack_frags<K / 16>(qa, qt);
+  pack_frags<T, K / 16>(qa, qt);
 }
 
 constexpr size_t kTileBytes = 2 * (size_t(kChunk) * LK + size_t(kChunk) * LV) * sizeof(T);
@@ -164,7 +156,7 @@ __global__ void __launch_bounds__(VER == 2 ? 2 * kThreads : kThreads) far16_kern
   float qt[K / 8][4];
   uint32_t qa[1][K / 16][4];
   load_query_rows(qt, qrow);
-  if (VER == 1) pack_frags<K / 16>(qa[0], qt);
+  if (VER == 1) pack_frags<T, K / 16>(qa[0], qt);
   float o[V / 8][4];
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
@@ -199,88 +191,7 @@ __global__ void __launch_bounds__(VER == 2 ? 2 * kThreads : kThreads) far16_kern
   store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
 }
 
-// ---- wgmma (sm_90a).
-__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  const uint64_t addr = smem_u32(p);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) | (uint64_t((sbo >> 4) & 0x3FFF) << 32);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// Waits until at most N of this warpgroup's committed wgmma groups are pending (groups complete in order).
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void wg_wait0() { wg_wait<0>(); }
-// Shared memory written through the generic proxy (cp.async, stores) made visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Ties registers a wgmma writes (fp32 accumulators) or reads while in flight (uint32 A fragments) to this point
-// (after a wait, before a fence): the compiler may not move their reads or writes across it.
-template <typename E, int N>
-__device__ __forceinline__ void fence_regs(E (&d)[N][4]) {
-  static_assert(std::is_same_v<E, float> || std::is_same_v<E, uint32_t>, "fence_regs: fp32 or 32-bit registers");
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (std::is_same_v<E, float>) asm volatile("" : "+f"(d[i][e])::"memory");
-      else asm volatile("" : "+r"(d[i][e])::"memory");
-    }
-}
-
-// d (the warpgroup's 64 x 64 fp32 tile; this warp's 16 rows in the mma.sync C layout, 8 n-blocks) += A B, with
-// A = this warp's 16 x 16 bf16 fragment in registers (the m16n8k16 A layout) and B (16 x 64) from a descriptor;
-// TNSPB = 1 reads B stored N-contiguous ([k][n]).
-// acc = 0: d = A B (the accumulator's old values ignored; no instruction has to zero it first).
-template <int TNSPB>
-__device__ __forceinline__ void wg_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
-}
-
-// d (the warpgroup's 64 x 128 fp32 tile; this warp's 16 rows in the mma.sync C layout, 16 n-blocks) += A B, as
-// wg_m64n64k16_rs with N = 128 (B 16 x 128 from a descriptor, N-contiguous core matrices 128 bytes apart).
-template <int TNSPB>
-__device__ __forceinline__ void wg_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
-        "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
-        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]),
-        "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]),
-        "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
-}
-
-// The product over one 16-element k-step at the accumulator's width: m64n64 (8 n-blocks) or m64n128 (16).
-template <int TNSPB>
-__device__ __forceinline__ void wg_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
-  wg_m64n64k16_rs<TNSPB>(d, a, db, acc);
-}
-template <int TNSPB>
-__device__ __forceinline__ void wg_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
-  wg_m64n128k16_rs<TNSPB>(d, a, db, acc);
-}
-
+// ---- wgmma (sm_90a): descriptors, fences and products from cuda/hopper.cuh (bf16 here).
 // A 64 x D tile (row stride `stride` in global) into the no-swizzle core-matrix layout: row r's 16-byte segment
 // j (elements 8j .. 8j + 7) at byte ((r / 8) (D / 8) + j) 128 + (r % 8) 16. Core matrices along the row (the
 // D direction) are 128 bytes apart, along the rows (D / 8) 128 bytes apart. Copy i of the NT threads goes to
@@ -338,9 +249,9 @@ __global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
     fence_regs(s);
     wg_fence();
 #pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt) wg_m64n64k16_rs<0>(s, qa[kt], dk + ((2 * kt * kAlongRow) >> 4));
+    for (int kt = 0; kt < K / 16; ++kt) wg_rs<T, 0>(s, qa[kt], dk + ((2 * kt * kAlongRow) >> 4));
     wg_commit();
-    wg_wait0();
+    wg_wait<0>();
     fence_regs(s);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -349,18 +260,18 @@ __global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
     softmax_step(s, m, l, alpha);
     scale_rows(o, alpha);
     uint32_t pa[4][4];
-    pack_frags<4>(pa, s);
+    pack_frags<T, 4>(pa, s);
     float(&o_lo)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[0][0]);
     float(&o_hi)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8][0]);
     fence_regs(o);
     wg_fence();
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {  // 16 keys = two core-matrix rows of v; the halves of V 8 core matrices apart
-      wg_m64n64k16_rs<1>(o_lo, pa[kt], dv + ((2 * kt * kVRows) >> 4));
-      wg_m64n64k16_rs<1>(o_hi, pa[kt], dv + ((2 * kt * kVRows + 8 * kAlongRow) >> 4));
+      wg_rs<T, 1>(o_lo, pa[kt], dv + ((2 * kt * kVRows) >> 4));
+      wg_rs<T, 1>(o_hi, pa[kt], dv + ((2 * kt * kVRows + 8 * kAlongRow) >> 4));
     }
     wg_commit();
-    wg_wait0();
+    wg_wait<0>();
     fence_regs(o);
   }
   store_rows(a.o + (size_t(head) * kRows + tile * kTile + 16 * warp) * V, o, l);
@@ -390,12 +301,12 @@ __device__ __forceinline__ void overlap_consumer(const Args& a, const T* qrow, f
   uint32_t pa[PK][4];
   auto issue_scores = [&](int c) {
 #pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt) wg_rs<0>(s, qa[kt], kdesc(c, kt), kt > 0);
+    for (int kt = 0; kt < K / 16; ++kt) wg_rs<T, 0>(s, qa[kt], kdesc(c, kt), kt > 0);
     wg_commit();
   };
   auto issue_pv = [&](int c) {
 #pragma unroll
-    for (int kt = 0; kt < PK; ++kt) wg_m64n128k16_rs<1>(o, pa[kt], vdesc(c, kt));
+    for (int kt = 0; kt < PK; ++kt) wg_rs<T, 1>(o, pa[kt], vdesc(c, kt));
     wg_commit();
   };
   auto softmax = [&]() {  // P left in s; alpha for the rescale of o
@@ -412,7 +323,7 @@ __device__ __forceinline__ void overlap_consumer(const Args& a, const T* qrow, f
   wg_wait<0>();
   fence_regs(s);
   softmax();
-  pack_frags<PK>(pa, s);
+  pack_frags<T, PK>(pa, s);
   for (int c = 1; c < kChunks; ++c) {
     ready(c);
     fence_regs(s);
@@ -429,7 +340,7 @@ __device__ __forceinline__ void overlap_consumer(const Args& a, const T* qrow, f
     fence_regs(o);
     fence_regs(pa);
     scale_rows(o, alpha);
-    pack_frags<PK>(pa, s);
+    pack_frags<T, PK>(pa, s);
   }
   fence_regs(o);
   fence_regs(pa);
@@ -471,12 +382,6 @@ constexpr int kStagesW = 3;  // tile stages of vw3 .. vw7: chunk c - 1 (its v mu
 // vw3 (273 -> 330-380 TFLOP/s: half the loop iterations, softmax and waits per key, wider products); TMA in
 // four boxes per chunk (vw6) +10-20% over vw5.
 constexpr int kN5 = 128;
-
-__device__ __forceinline__ uint64_t smem_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
-  return smem_desc(p, lbo, sbo) | (uint64_t(1) << 62);
-}
-// The first 1024-byte aligned address at or after p (shared memory).
-__device__ __forceinline__ uint8_t* align1k(uint8_t* p) { return p + ((1024u - (smem_u32(p) & 1023u)) & 1023u); }
 
 // Chunk c's tiles at stage c % kStages of the k~ tiles at Ks and the v tiles at Vs.
 template <int kStages>
@@ -575,16 +480,7 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw_async_kernel(Args a) {
 // an error, not a hang. (Not __trap: a trap in the consumers' branch makes ptxas ignore setmaxnreg there and
 // compile it within the kernel's entry registers, spilling and serializing the wgmmas: vw7 at 168 registers.)
 __device__ unsigned int g_wait_timeouts;
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbar_wait_counted(uint64_t* bar, uint32_t parity) {
   for (uint32_t spins = 0;; ++spins) {
     uint32_t done;
     asm volatile(
@@ -599,14 +495,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     }
   }
 }
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
-      : "memory");
-}
-
 // Tiles of the versions that load by TMA (vw4: 64-key chunks as boxes of 8 columns, no swizzle, so core
 // matrices are 128 bytes apart along the keys and 1 KB apart along the columns; vw6 / vw7: 128-key chunks as
 // boxes of 64 columns, swizzled), with full / empty mbarriers per stage after the tiles.
@@ -633,7 +521,7 @@ struct TmaTiles {
         mbar_init(&t.full[st], 1);
         mbar_init(&t.empty[st], 8);
       }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      mbar_init_fence();
     }
     __syncthreads();
     return t;
@@ -641,17 +529,17 @@ struct TmaTiles {
   // Chunk c's tiles into its stage (one thread); the stage's previous chunk must be released first.
   __device__ void issue(const Args& a, int head, int c) const {
     const int st = c % kStagesW;
-    if (c >= kStagesW) mbar_wait(&empty[st], uint32_t(c / kStagesW - 1) & 1);
+    if (c >= kStagesW) mbar_wait_counted(&empty[st], uint32_t(c / kStagesW - 1) & 1);
     mbar_expect_tx(&full[st], uint32_t(NK * (K + V) * sizeof(T)));
     const int row = head * kKeys + c * NK;
     const CUtensorMap* mk = SW ? &a.tk6 : &a.tk;
     const CUtensorMap* mv = SW ? &a.tv6 : &a.tv;
 #pragma unroll 1
-    for (int j = 0; j < K / BC; ++j) tma_load_2d(Ks + st * NK * K + j * NK * BC, mk, BC * j, row, &full[st]);
+    for (int j = 0; j < K / BC; ++j) tma_load(Ks + st * NK * K + j * NK * BC, mk, BC * j, row, &full[st]);
 #pragma unroll 1
-    for (int j = 0; j < V / BC; ++j) tma_load_2d(Vs + st * NK * V + j * NK * BC, mv, BC * j, row, &full[st]);
+    for (int j = 0; j < V / BC; ++j) tma_load(Vs + st * NK * V + j * NK * BC, mv, BC * j, row, &full[st]);
   }
-  __device__ void wait_full(int c) const { mbar_wait(&full[c % kStagesW], uint32_t(c / kStagesW) & 1); }
+  __device__ void wait_full(int c) const { mbar_wait_counted(&full[c % kStagesW], uint32_t(c / kStagesW) & 1); }
   __device__ void release(int c) const {  // this warp is done with chunk c's stage
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[c % kStagesW]);
@@ -762,7 +650,7 @@ __global__ void __launch_bounds__(kThreads) far32_kernel(Args a) {
         for (int e = 0; e < 4; ++e) s[mt][nt][e] *= a.sl2;
       softmax_step(s[mt], m[mt], l[mt], alpha[mt]);
       scale_rows(o[mt], alpha[mt]);
-      pack_frags<4>(pa[mt], s[mt]);
+      pack_frags<T, 4>(pa[mt], s[mt]);
     }
     warp_mma_pr<2, 4, V / 8, true>(o, pa, Vst, LV);
   }
