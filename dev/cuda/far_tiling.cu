@@ -481,20 +481,9 @@ __global__ void __launch_bounds__(2 * kThreads, 1) farw_async_kernel(Args a) {
 // compile it within the kernel's entry registers, spilling and serializing the wgmmas: vw7 at 168 registers.)
 __device__ unsigned int g_wait_timeouts;
 __device__ __forceinline__ void mbar_wait_counted(uint64_t* bar, uint32_t parity) {
-  for (uint32_t spins = 0;; ++spins) {
-    uint32_t done;
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (spins > (1u << 26)) {
-      atomicAdd(&g_wait_timeouts, 1u);
-      return;
-    }
-  }
+  mbar_wait(bar, parity, [] { atomicAdd(&g_wait_timeouts, 1u); });
 }
+
 // Tiles of the versions that load by TMA (vw4: 64-key chunks as boxes of 8 columns, no swizzle, so core
 // matrices are 128 bytes apart along the keys and 1 KB apart along the columns; vw6 / vw7: 128-key chunks as
 // boxes of 64 columns, swizzled), with full / empty mbarriers per stage after the tiles.

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "cuda/kernel_params.h"
+
 namespace pathattn::cuda {
 
 // ----------------------------------------------------------------------------------------------------
@@ -301,6 +303,37 @@ __device__ __forceinline__ void scale_rows(float (&o)[NT][4], const float (&alph
     o[nt][1] *= alpha[0];
     o[nt][2] *= alpha[1];
     o[nt][3] *= alpha[1];
+  }
+}
+
+// A row's softmax sum from the partial sums of the quad of lanes that hold it (C layout).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The forward's epilogue for a warp's 16 rows (rr) of query chunk qc, rows at and past nq skipped: o / l into
+// p.o (type T) and lse = (m + log2 l) ln 2 into p.lse when present; l holds the lane's partial row sums.
+template <typename T, int V>
+__device__ __forceinline__ void store_fwd_rows(const KernelParams& p, const ChunkDesc& ch, int qc, int hq,
+                                               const int (&rr)[2], int nq, const float (&o)[V / 8][4],
+                                               const float (&m)[2], const float (&l)[2]) {
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float lt = quad_sum(l[hr]);
+    const int r = rr[hr];
+    if (r >= nq) continue;
+    const float inv = 1.f / lt;
+    const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
+    T* orow = static_cast<T*>(p.o) + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt) {
+      orow[8 * nt + 2 * t4] = from_f<T>(o[nt][2 * hr] * inv);
+      orow[8 * nt + 2 * t4 + 1] = from_f<T>(o[nt][2 * hr + 1] * inv);
+    }
+    if (p.lse && t4 == 0)
+      p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
   }
 }
 

@@ -163,37 +163,26 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
         for (int e = 0; e < 4; ++e) qt[nt][e] = y[nt][e];
     }
   }
-  // Finalise: o / l, lse = (m + log2 l) ln 2.
-  T* op = static_cast<T*>(p.o);
+  if (!split) {
+    store_fwd_rows<T, V>(p, ch, qc, hq, rr, nq, o, m, l);
+    return;
+  }
+  // Split: the state fwd_far starts from (queries at the superblock's start, output so far, its lse).
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float lt = l[hr];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float lt = quad_sum(l[hr]);
     const int r = rr[hr];
     if (r >= nq) continue;
     const float inv = 1.f / lt;
-    if (split) {  // the state fwd_far starts from: queries at the superblock's start, output so far, its lse
-      const int64_t row = (tokq0 + r) * p.HQ + hq;
+    const int64_t row = (tokq0 + r) * p.HQ + hq;
 #pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-        *reinterpret_cast<float2*>(p.qtl + row * K + 8 * nt + 2 * t4) = make_float2(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+    for (int nt = 0; nt < K / 8; ++nt)
+      *reinterpret_cast<float2*>(p.qtl + row * K + 8 * nt + 2 * t4) = make_float2(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
 #pragma unroll
-      for (int nt = 0; nt < V / 8; ++nt)
-        *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =
-            make_float2(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
-      if (t4 == 0) p.lsefar[row] = m[hr] + log2f(lt);
-      continue;
-    }
-    const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
-    T* orow = op + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
-#pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt) {
-      orow[8 * nt + 2 * t4] = from_f<T>(o[nt][2 * hr] * inv);
-      orow[8 * nt + 2 * t4 + 1] = from_f<T>(o[nt][2 * hr + 1] * inv);
-    }
-    if (p.lse && t4 == 0)
-      p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
+    for (int nt = 0; nt < V / 8; ++nt)
+      *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =
+          make_float2(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
+    if (t4 == 0) p.lsefar[row] = m[hr] + log2f(lt);
   }
 }
 

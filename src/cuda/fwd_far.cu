@@ -258,24 +258,7 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   wg_wait<0>();
   fence_regs(o);
 
-  // Finalise as fwd_scan: o / l, lse = (m + log2 l) ln 2.
-  T* op = static_cast<T*>(p.o);
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float lt = l[hr];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const int r = rr[hr];
-    if (r >= nq) continue;
-    const float inv = 1.f / lt;
-    const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
-    T* orow = op + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
-#pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * t4) = Pack2<T>::pack(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
-    if (p.lse && t4 == 0)
-      p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
-  }
+  store_fwd_rows<T, V>(p, ch, qc, hq, rr, nq, o, m, l);
 #endif
 }
 

@@ -131,8 +131,7 @@ __device__ __forceinline__ void pack_frags(uint32_t (&a)[KT][4], const float (&s
   }
 }
 
-// ---- mbarriers and TMA. A wait that never completes gives up after about 2^26 polls and traps (an error the
-// host sees, not a hang).
+// ---- mbarriers and TMA.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 #ifdef PA_SM90A
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -153,7 +152,13 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 #endif
 }
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+// Waits for the phase of `bar` with parity `parity`; after about 2^26 polls calls on_timeout() and returns
+// (the default traps: an error the host sees, not a hang).
+struct TrapOnTimeout {
+  __device__ void operator()() const { __trap(); }
+};
+template <class OnTimeout = TrapOnTimeout>
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, OnTimeout on_timeout = {}) {
 #ifdef PA_SM90A
   for (uint32_t spins = 0;; ++spins) {
     uint32_t done;
@@ -163,7 +168,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
     if (done) return;
-    if (spins > (1u << 26)) __trap();
+    if (spins > (1u << 26)) {
+      on_timeout();
+      return;
+    }
   }
 #endif
 }
