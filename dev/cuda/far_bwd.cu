@@ -1,0 +1,395 @@
+// dev/cuda/far_bwd.cu: the query side of the backward's far loop, alone: bwd_q's pass 2 over the keys of far
+// superblocks without the crossings. Per 64-key chunk: S = q k^T, dP = dO v^T, P = 2^(S scale log2(e) - lse2),
+// dS = P (dP - delta), gq += scale dS k; bf16 operands, fp32 accumulation. How fast does it run on mma.sync, as
+// bwd_q runs it, and on wgmma with TMA tiles, as fwd_far runs the forward's (NOTES v3.15: 545 TFLOP/s for the
+// forward's loop in dev/cuda/far_tiling.cu vw6 against 320 on mma.sync)? Versions:
+//   bq16: 4 warps x 16 rows (a 64-row tile), q and dO staged in shared memory once, k / v tiles double-buffered
+//         by cp.async, S and dP by ldmatrix-fed mma.sync, gq += dS k with dS from registers: bwd_q's far loop;
+//   bqw:  two warpgroups (128 rows), q and dO as register fragments (loaded once), 64-key chunks of k and v in
+//         128-byte swizzled tiles loaded by TMA (one thread issues; three stages, full / empty mbarriers), S and
+//         dP of chunk c issued together with gq += dS k of chunk c - 1, dS of chunk c computed while that runs.
+//         Registers: q and dO fragments 64, S and dP 64, gq 64, dS fragments 16.
+// Check: gq of head 0's first 128 rows against a host double computation (lse and delta exact for those rows;
+// the other rows get lse = 10, delta = 0: finite values for the timing). Timing: H = 32 heads x 16384 rows x
+// 8192 keys, K = V = 128 (the T = 16k shape's far work, as far_tiling), three products: 6.6 TFLOP per run.
+// Prediction (written before any run): bq16 near bwd_q's far-loop rate, ~200-250 TFLOP/s (two products from
+// shared memory by ldmatrix, one with A from registers, 16 rows a warp); bqw 1.5-1.8x bq16 (fwd_far's ratio
+// over fwd_scan on the forward's loop was ~1.7x).
+// Build and run (from the repository root):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda dev/cuda/far_bwd.cu -o far_bwd
+//   ./far_bwd            (or ./far_bwd bqw: only the versions whose name starts with that)
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/hopper.cuh"
+#include "tf32_nt.cuh"  // CK, median_ms
+
+#if defined(__CUDA_ARCH__) && !defined(PA_SM90A)
+#error "far_bwd.cu builds for sm_90a only (the wgmma version): -gencode=arch=compute_90a,code=sm_90a"
+#endif
+
+using namespace pathattn::cuda;
+
+namespace {
+
+using T = __nv_bfloat16;
+constexpr int K = 128, V = 128, LK = K + 8, LV = V + 8;
+constexpr int H = 32, kRows = 16384, kKeys = 8192, kNK = kKeys / kChunk;
+constexpr int kStages = 3;
+
+struct Args {
+  const T* q;       // [H][kRows][K]
+  const T* k;       // [H][kKeys][K]
+  const T* v;       // [H][kKeys][V]
+  const T* dO;      // [H][kRows][V]
+  const float* lse2;   // [H][kRows] log2-sum-exp of the scaled scores (base 2)
+  const float* delta;  // [H][kRows] rowsum(dO o)
+  float* gq;        // [H][kRows][K] out
+  float sl2, scale;
+  CUtensorMap tk, tv;  // k and v as 2-D [H kKeys][K] tensors, boxes of 64 keys x 64 columns, 128-byte swizzle
+};
+
+// This warp's 16 rows of gq (C layout) to global, fp32.
+__device__ __forceinline__ void store_gq(float* row0, const float (&gq)[K / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt)
+      *reinterpret_cast<float2*>(row0 + size_t(g + 8 * hr) * K + 8 * nt + 2 * t) =
+          make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
+}
+
+// dS = scale P (dP - delta) in place of s, P = 2^(s sl2 - lse2) (rows: lse2 / delta of this lane's two rows).
+template <int NT>
+__device__ __forceinline__ void ds_from(float (&s)[NT][4], const float (&dp)[NT][4], const float (&lse2)[2],
+                                        const float (&dl)[2], float sl2, float scale) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pr = fast_exp2(s[nt][e] * sl2 - lse2[e >> 1]);
+      s[nt][e] = scale * pr * (dp[nt][e] - dl[e >> 1]);
+    }
+}
+
+// bq16: bwd_q's far loop.
+__global__ void __launch_bounds__(128) bq16_kernel(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* dOs = Qs + kChunk * LK;
+  T* Ks = dOs + kChunk * LV;
+  T* Vs = Ks + 2 * kChunk * LK;
+  const int head = blockIdx.x / (kRows / kChunk), tile = blockIdx.x % (kRows / kChunk);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const size_t row0 = size_t(head) * kRows + size_t(tile) * kChunk;
+  const T* kp = a.k + size_t(head) * kKeys * K;
+  const T* vp = a.v + size_t(head) * kKeys * V;
+  load_tile_async<K>(Qs, a.q + row0 * K, K, kChunk);
+  load_tile_async<V>(dOs, a.dO + row0 * V, V, kChunk);
+  auto load = [&](int c, int st) {
+    load_tile_async<K>(Ks + st * kChunk * LK, kp + size_t(c) * kChunk * K, K, kChunk);
+    load_tile_async<V>(Vs + st * kChunk * LV, vp + size_t(c) * kChunk * V, V, kChunk);
+    cp_async_commit();
+  };
+  load(0, 0);
+  const size_t r0 = row0 + 16 * warp + g, r1 = r0 + 8;
+  const float lse2[2] = {a.lse2[r0], a.lse2[r1]}, dl[2] = {a.delta[r0], a.delta[r1]};
+  float gq[K / 8][4];
+  zero_acc(gq);
+  for (int c = 0; c < kNK; ++c) {
+    const int st = c & 1;
+    cp_async_wait_all();
+    __syncthreads();
+    if (c + 1 < kNK) load(c + 1, st ^ 1);
+    const T* Kst = Ks + st * kChunk * LK;
+    const T* Vst = Vs + st * kChunk * LV;
+    float s[1][8][4], dp[1][8][4];
+    zero_acc(s);
+    zero_acc(dp);
+    warp_mma_ss<T, 1, 8, false, false>(s, Qs, LK, 16 * warp, Kst, LK, 0, K);
+    warp_mma_ss<T, 1, 8, false, false>(dp, dOs, LV, 16 * warp, Vst, LV, 0, V);
+    ds_from(s[0], dp[0], lse2, dl, a.sl2, a.scale);
+    warp_mma_rs<T, 4, K / 8, true>(gq, s[0], 1.f, Kst, LK, 0);
+  }
+  store_gq(a.gq + (row0 + 16 * warp) * K, gq);
+}
+
+// A warp's 16 rows x (16 KT) of a row-major 16-bit matrix (row0 = its first row, ld elements) as KT m16n8k16
+// A fragments, straight from global memory (two elements per 32-bit load).
+template <int KT>
+__device__ __forceinline__ void load_frags(uint32_t (&f)[KT][4], const T* row0, int ld) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t* r0 = reinterpret_cast<const uint32_t*>(row0 + size_t(g) * ld);
+  const uint32_t* r1 = reinterpret_cast<const uint32_t*>(row0 + size_t(g + 8) * ld);
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    f[kt][0] = r0[8 * kt + t];
+    f[kt][1] = r1[8 * kt + t];
+    f[kt][2] = r0[8 * kt + 4 + t];
+    f[kt][3] = r1[8 * kt + 4 + t];
+  }
+}
+
+// bqw: two warpgroups on wgmma, TMA tiles.
+constexpr size_t kBqwSmem = 1024 + size_t(kStages) * kChunk * (K + V) * sizeof(T) + 2 * kStages * sizeof(uint64_t);
+
+__global__ void __launch_bounds__(256, 1) bqw_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Ks = reinterpret_cast<T*>(align1k(smem));
+  T* Vs = Ks + kStages * kChunk * K;
+  uint64_t* full = reinterpret_cast<uint64_t*>(Vs + kStages * kChunk * V);
+  uint64_t* empty = full + kStages;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  constexpr int kTile = 2 * kChunk;
+  const int head = blockIdx.x / (kRows / kTile), tile = blockIdx.x % (kRows / kTile);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const size_t row0 = size_t(head) * kRows + size_t(tile) * kTile + 16 * warp;
+  uint32_t qa[K / 16][4], da[V / 16][4];
+  load_frags(qa, a.q + row0 * K, K);
+  load_frags(da, a.dO + row0 * V, V);
+  const float lse2[2] = {a.lse2[row0 + g], a.lse2[row0 + g + 8]};
+  const float dl[2] = {a.delta[row0 + g], a.delta[row0 + g + 8]};
+
+  auto issue = [&](int c) {  // thread 0: chunk c's k and v tiles into stage c % 3
+    const int st = c % kStages;
+    if (c >= kStages) mbar_wait(&empty[st], uint32_t(c / kStages - 1) & 1);
+    mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * sizeof(T)));
+    const int row = head * kKeys + c * kChunk;
+#pragma unroll 1
+    for (int j = 0; j < K / 64; ++j) tma_load(Ks + st * kChunk * K + j * kChunk * 64, &a.tk, 64 * j, row, &full[st]);
+#pragma unroll 1
+    for (int j = 0; j < V / 64; ++j) tma_load(Vs + st * kChunk * V + j * kChunk * 64, &a.tv, 64 * j, row, &full[st]);
+  };
+  // K-major reads (S = q k^T, dP = dO v^T): a k-step is 16 columns (32 bytes) within a 64-column block of 64
+  // rows (8 KB); N-major reads of k (gq += dS k): a k-step is 16 keys (2 KB), column blocks 8 KB apart.
+  auto kmaj = [&](const T* base, int c, int kt, int D) {
+    const char* t = reinterpret_cast<const char*>(base + (c % kStages) * kChunk * D);
+    return smem_desc_sw128(t + (kt / 4) * kChunk * 128 + (kt % 4) * 32, 16, 1024);
+  };
+  auto knmaj = [&](int c, int kt) {
+    const char* t = reinterpret_cast<const char*>(Ks + (c % kStages) * kChunk * K);
+    return smem_desc_sw128(t + kt * 16 * 128, kChunk * 128, 1024);
+  };
+  float s[8][4], dp[8][4], gq[K / 8][4];
+  uint32_t dsa[4][4];
+  zero_acc(gq);
+  auto issue_sdp = [&](int c) {
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) wg_rs<T, 0>(s, qa[kt], kmaj(Ks, c, kt, K), kt > 0);
+#pragma unroll
+    for (int kt = 0; kt < V / 16; ++kt) wg_rs<T, 0>(dp, da[kt], kmaj(Vs, c, kt, V), kt > 0);
+    wg_commit();
+  };
+  auto issue_gq = [&](int c) {
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(gq, dsa[kt], knmaj(c, kt));
+    wg_commit();
+  };
+  if (threadIdx.x == 0) {
+    issue(0);
+    issue(1);
+  }
+  __syncwarp();
+  mbar_wait(&full[0], 0);
+  fence_regs(s);
+  fence_regs(dp);
+  wg_fence();
+  issue_sdp(0);
+  wg_wait<0>();
+  fence_regs(s);
+  fence_regs(dp);
+  ds_from(s, dp, lse2, dl, a.sl2, a.scale);
+  pack_frags<T, 4>(dsa, s);
+  for (int c = 1; c < kNK; ++c) {
+    if (threadIdx.x == 0 && c + 1 < kNK) issue(c + 1);
+    __syncwarp();
+    mbar_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
+    fence_regs(s);
+    fence_regs(dp);
+    fence_regs(gq);
+    fence_regs(dsa);
+    wg_fence();
+    issue_sdp(c);
+    issue_gq(c - 1);
+    wg_wait<1>();  // S_c, dP_c done; gq += dS k of chunk c - 1 may still run
+    fence_regs(s);
+    fence_regs(dp);
+    ds_from(s, dp, lse2, dl, a.sl2, a.scale);
+    wg_wait<0>();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[(c - 1) % kStages]);
+    fence_regs(gq);
+    fence_regs(dsa);
+    pack_frags<T, 4>(dsa, s);
+  }
+  fence_regs(gq);
+  fence_regs(dsa);
+  wg_fence();
+  issue_gq(kNK - 1);
+  wg_wait<0>();
+  fence_regs(gq);
+  store_gq(a.gq + row0 * K, gq);
+}
+
+// Relative L2 of head 0's first 128 rows of gq against the host's, and the host's lse2 / delta of those rows.
+struct HostRef {
+  std::vector<double> gq;  // [128][K]
+  std::vector<float> lse2, delta;  // [128]
+};
+HostRef host_ref(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                 const std::vector<float>& dO, double scale) {
+  HostRef r{std::vector<double>(size_t(2 * kChunk) * K, 0.0), std::vector<float>(2 * kChunk),
+            std::vector<float>(2 * kChunk)};
+  std::vector<double> sc(kKeys), dp(kKeys);
+  for (int i = 0; i < 2 * kChunk; ++i) {
+    double mx = -1e300;
+    for (int j = 0; j < kKeys; ++j) {
+      double d = 0, e = 0;
+      for (int x = 0; x < K; ++x) d += double(q[size_t(i) * K + x]) * k[size_t(j) * K + x];
+      for (int x = 0; x < V; ++x) e += double(dO[size_t(i) * V + x]) * v[size_t(j) * V + x];
+      sc[j] = d * scale;
+      dp[j] = e;
+      mx = std::max(mx, sc[j]);
+    }
+    double sum = 0;
+    for (int j = 0; j < kKeys; ++j) sum += std::exp(sc[j] - mx);
+    const double lse = mx + std::log(sum);
+    double delta = 0;
+    for (int j = 0; j < kKeys; ++j) delta += std::exp(sc[j] - lse) * dp[j];
+    for (int j = 0; j < kKeys; ++j) {
+      const double ds = scale * std::exp(sc[j] - lse) * (dp[j] - delta);
+      for (int x = 0; x < K; ++x) r.gq[size_t(i) * K + x] += ds * k[size_t(j) * K + x];
+    }
+    r.lse2[i] = float(lse * 1.4426950408889634);
+    r.delta[i] = float(delta);
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* only = argc > 1 ? argv[1] : nullptr;
+  const size_t nq = size_t(H) * kRows * K, nk = size_t(H) * kKeys * K, nv = size_t(H) * kKeys * V,
+               nd = size_t(H) * kRows * V, nr = size_t(H) * kRows;
+  std::vector<T> hq(nq), hk(nk), hv(nv), hd(nd);
+  uint64_t st = 0x9E3779B97F4A7C15ull;
+  auto uni = [&]() {  // in [-1, 1)
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return float((st >> 40) * (2.0 / 16777216.0) - 1.0);
+  };
+  for (auto& x : hq) x = __float2bfloat16_rn(2.f * uni());
+  for (auto& x : hk) x = __float2bfloat16_rn(2.f * uni());
+  for (auto& x : hv) x = __float2bfloat16_rn(uni());
+  for (auto& x : hd) x = __float2bfloat16_rn(uni());
+  auto head0 = [](const std::vector<T>& src, size_t n) {
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(src[i]);
+    return f;
+  };
+  const double scale = 1.0 / std::sqrt(double(K));
+  const HostRef ref = host_ref(head0(hq, size_t(2 * kChunk) * K), head0(hk, size_t(kKeys) * K),
+                               head0(hv, size_t(kKeys) * V), head0(hd, size_t(2 * kChunk) * V), scale);
+  std::vector<float> hl(nr, float(10.0 * 1.4426950408889634)), hdl(nr, 0.f);
+  std::copy(ref.lse2.begin(), ref.lse2.end(), hl.begin());
+  std::copy(ref.delta.begin(), ref.delta.end(), hdl.begin());
+  T *dq, *dk, *dv, *ddo;
+  float *dl2, *ddl, *dgq;
+  CK(cudaMalloc(&dq, nq * sizeof(T)));
+  CK(cudaMalloc(&dk, nk * sizeof(T)));
+  CK(cudaMalloc(&dv, nv * sizeof(T)));
+  CK(cudaMalloc(&ddo, nd * sizeof(T)));
+  CK(cudaMalloc(&dl2, nr * sizeof(float)));
+  CK(cudaMalloc(&ddl, nr * sizeof(float)));
+  CK(cudaMalloc(&dgq, nq * sizeof(float)));
+  CK(cudaMemcpy(dq, hq.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dk, hk.data(), nk * sizeof(T), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dv, hv.data(), nv * sizeof(T), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(ddo, hd.data(), nd * sizeof(T), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dl2, hl.data(), nr * sizeof(float), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(ddl, hdl.data(), nr * sizeof(float), cudaMemcpyHostToDevice));
+  Args args{dq, dk, dv, ddo, dl2, ddl, dgq, float(scale * 1.4426950408889634), float(scale), {}, {}};
+  {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
+    if (qr != cudaDriverEntryPointSuccess || !fn) {
+      std::fprintf(stderr, "cuTensorMapEncodeTiled not available\n");
+      return 1;
+    }
+    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    auto make = [&](CUtensorMap* map, const T* base, int cols) {
+      const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(H) * kKeys};
+      const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
+      const cuuint32_t box[2] = {64, cuuint32_t(kChunk)}, estr[2] = {1, 1};
+      if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<T*>(base), dims, strides, box, estr,
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        std::fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
+        std::exit(1);
+      }
+    };
+    make(&args.tk, dk, K);
+    make(&args.tv, dv, V);
+  }
+  const double flop = 2.0 * H * double(kRows) * kKeys * (K + V + K);
+  std::printf("far backward, query side: H %d x %d rows x %d keys, K = V = %d, bf16 (%.2f TFLOP per run)\n", H,
+              kRows, kKeys, K, flop * 1e-12);
+  struct Ver {
+    const char* name;
+    void (*kern)(Args);
+    int rows, threads;
+    size_t smem;
+  };
+  const Ver vers[] = {
+      {"bq16 (mma.sync, 16 rows / warp, q and dO in shared memory)", bq16_kernel, kChunk, 128,
+       size_t(kChunk) * (LK + LV) * sizeof(T) + 2 * size_t(kChunk) * (LK + LV) * sizeof(T)},
+      {"bqw  (wgmma, two warpgroups, TMA tiles, S / dP with the previous gq)", bqw_kernel, 2 * kChunk, 256, kBqwSmem},
+  };
+  bool ok = true;
+  std::vector<float> hg(size_t(2 * kChunk) * K);
+  for (const Ver& ver : vers) {
+    if (only && std::strncmp(ver.name, only, std::strlen(only)) != 0) continue;
+    CK(cudaFuncSetAttribute(ver.kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ver.smem)));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ver.kern, ver.threads, ver.smem));
+    const unsigned grid = unsigned(size_t(H) * kRows / ver.rows);
+    CK(cudaMemset(dgq, 0xff, nq * sizeof(float)));  // NaN: every output must be written
+    ver.kern<<<grid, ver.threads, ver.smem>>>(args);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(hg.data(), dgq, hg.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < hg.size(); ++i) {
+      num += (hg[i] - ref.gq[i]) * (hg[i] - ref.gq[i]);
+      den += ref.gq[i] * ref.gq[i];
+    }
+    const double err = std::sqrt(num / den);
+    const bool pass = std::isfinite(err) && err <= 1e-2;
+    ok = ok && pass;
+    const float ms = dev::median_ms([&] { ver.kern<<<grid, ver.threads, ver.smem>>>(args); }, 5);
+    std::printf("%-70s %3d KB smem, %d CTAs / SM: %7.3f ms, %6.1f TFLOP/s, gq rel L2 %.2e %s\n", ver.name,
+                int(ver.smem / 1024), per_sm, ms, flop / (ms * 1e-3) * 1e-12, err, pass ? "ok" : "FAIL");
+  }
+  std::printf(ok ? "all checks passed\n" : "CHECK FAILED\n");
+  return ok ? 0 : 1;
+}
