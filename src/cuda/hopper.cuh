@@ -112,6 +112,23 @@ __device__ __forceinline__ void wg_rs(float (&d)[16][4], const uint32_t (&a)[4],
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
 #endif
 }
+// d (64 x 64) += A B with both operands from shared memory through descriptors (A 64 x 16, K-major unless
+// TNSPA; B as in wg_rs).
+template <typename E, int TNSPA, int TNSPB>
+__device__ __forceinline__ void wg_ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc = 1) {
+#ifdef PA_SM90A
+  if constexpr (std::is_same_v<E, __half>)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" PA_WG_R32
+                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : PA_WG_D64
+                 : "l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" PA_WG_R32
+                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : PA_WG_D64
+                 : "l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB));
+#endif
+}
 #undef PA_WG_D8
 #undef PA_WG_D64
 #undef PA_WG_D128
@@ -173,6 +190,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, OnTime
       return;
     }
   }
+#endif
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into shared memory at dst,
+// completing `bar`'s transaction bytes.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#ifdef PA_SM90A
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
 #endif
 }
 // One TMA box of an N-dimensional tensor map (coordinates innermost first) into shared memory at dst,
