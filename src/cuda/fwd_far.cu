@@ -10,6 +10,7 @@
 // P V of the previous one. The superblock product goes through a fourth tile with its own barriers.
 #include <cudaTypedefs.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -309,24 +310,32 @@ bool fwd_far_usable(const KernelParams& p) {
   for (int d = 0; d < 3; ++d)
     if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.H * p.K >= (int64_t(1) << 40)) return false;
-  static const bool ok = [] {
-    int dev = 0, major = 0;
+  // Per device (cached): an sm_90a binary of this file (the kernel has a body only there), a Hopper device with
+  // the shared memory a CTA takes, and the driver's tensor-map encoder. Errors of these queries are cleared.
+  constexpr int kDevs = 64;
+  static std::atomic<int> cache[kDevs] = {};  // 0: unknown, 1: usable, 2: not
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (dev < 0 || dev >= kDevs) return false;
+  if (cache[dev].load() == 0) {
+    int major = 0, optin = 0;
     cudaFuncAttributes attr{};
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      return false;
-    // The kernel has a body only in an sm_90a build of this file.
-    if (major != 9 || cudaFuncGetAttributes(&attr, fwd_far_kernel<__half, 64, 64, false>) != cudaSuccess) return false;
-    int optin = 0;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
-        size_t(optin) < FarSmem<128, 128>::bytes)
-      return false;
-    return attr.binaryVersion == 90 && encode_fn() != nullptr;
-  }();
-  cudaGetLastError();
-  return ok;
+    bool failed = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+                  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess;
+    bool ok = !failed && major == 9 && size_t(optin) >= FarSmem<128, 128>::bytes;
+    if (ok) {
+      failed = cudaFuncGetAttributes(&attr, fwd_far_kernel<__half, 64, 64, false>) != cudaSuccess;
+      ok = !failed && attr.binaryVersion == 90 && encode_fn() != nullptr;
+    }
+    if (failed) cudaGetLastError();  // only this function's own failed query
+    cache[dev].store(ok ? 1 : 2);
+  }
+  return cache[dev] == 1;
 }
 
-size_t smem_fwd_far(int K) { return K == 64 ? FarSmem<64, 64>::bytes : FarSmem<128, 128>::bytes; }
 
 cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;

@@ -29,7 +29,6 @@ cudaError_t launch_fwd_scan(const KernelParams& p, int dtype, cudaStream_t s);
 // fwd_far_usable: this build and device run it and p's shapes and strides suit its TMA tiles.
 bool fwd_far_usable(const KernelParams& p);
 cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s);
-size_t smem_fwd_far(int K);
 // Backward: delta = rowsum(dO * O).
 cudaError_t launch_bwd_delta(const KernelParams& p, int dtype, cudaStream_t s);
 // Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots).
