@@ -28,32 +28,17 @@
 // Build and run (from the repository root):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda dev/cuda/far_bwd.cu -o far_bwd
 //   ./far_bwd            (or ./far_bwd bqw: only the versions whose name starts with that)
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/hopper.cuh"
-#include "tf32_nt.cuh"  // CK, median_ms
-
-#if defined(__CUDA_ARCH__) && !defined(PA_SM90A)
-#error "far_bwd.cu builds for sm_90a only (the wgmma version): -gencode=arch=compute_90a,code=sm_90a"
-#endif
+#include "far_common.cuh"
 
 using namespace pathattn::cuda;
+using namespace pathattn::cuda::dev::far;
 
 namespace {
 
-using T = __nv_bfloat16;
-constexpr int K = 128, V = 128, LK = K + 8, LV = V + 8;
-constexpr int H = 32, kRows = 16384, kKeys = 8192, kNK = kKeys / kChunk;
 constexpr int kStages = 3;
 
 struct Args {
@@ -265,7 +250,8 @@ __global__ void __launch_bounds__(256, 1) bqw_kernel(const __grid_constant__ Arg
 
 // bkw: the key side on wgmma.
 constexpr size_t kBkwSmem = 1024 + size_t(2 * kChunk) * (K + V) * sizeof(T) +
-                            size_t(kStages) * kChunk * (K + V) * sizeof(T) + size_t(kStages) * 2 * kChunk * sizeof(float) +
+                            size_t(kStages) * kChunk * (K + V) * sizeof(T) +
+                            size_t(kStages) * 2 * kChunk * sizeof(float) +
                             (2 * kStages + 1) * sizeof(uint64_t);
 
 template <bool kOverlap>
@@ -493,76 +479,30 @@ int main(int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : nullptr;
   const size_t nq = size_t(H) * kRows * K, nk = size_t(H) * kKeys * K, nv = size_t(H) * kKeys * V,
                nd = size_t(H) * kRows * V, nr = size_t(H) * kRows;
-  std::vector<T> hq(nq), hk(nk), hv(nv), hd(nd);
   uint64_t st = 0x9E3779B97F4A7C15ull;
-  auto uni = [&]() {  // in [-1, 1)
-    st ^= st << 13;
-    st ^= st >> 7;
-    st ^= st << 17;
-    return float((st >> 40) * (2.0 / 16777216.0) - 1.0);
-  };
-  for (auto& x : hq) x = __float2bfloat16_rn(2.f * uni());
-  for (auto& x : hk) x = __float2bfloat16_rn(2.f * uni());
-  for (auto& x : hv) x = __float2bfloat16_rn(uni());
-  for (auto& x : hd) x = __float2bfloat16_rn(uni());
-  auto head0 = [](const std::vector<T>& src, size_t n) {
-    std::vector<float> f(n);
-    for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(src[i]);
-    return f;
-  };
+  const std::vector<T> hq = uniform_bf16(nq, 2.f, st), hk = uniform_bf16(nk, 2.f, st), hv = uniform_bf16(nv, 1.f, st),
+                       hd = uniform_bf16(nd, 1.f, st);
   const double scale = 1.0 / std::sqrt(double(K));
-  const HostRef ref = host_ref(head0(hq, size_t(kCheckRows) * K), head0(hk, size_t(kKeys) * K),
-                               head0(hv, size_t(kKeys) * V), head0(hd, size_t(kCheckRows) * V), scale);
+  const HostRef ref = host_ref(to_float(hq, size_t(kCheckRows) * K), to_float(hk, size_t(kKeys) * K),
+                               to_float(hv, size_t(kKeys) * V), to_float(hd, size_t(kCheckRows) * V), scale);
   std::vector<float> hl(nr, float(10.0 * 1.4426950408889634)), hdl(nr, 0.f);
   std::copy(ref.lse2.begin(), ref.lse2.end(), hl.begin());
   std::copy(ref.delta.begin(), ref.delta.end(), hdl.begin());
-  T *dq, *dk, *dv, *ddo;
-  float *dl2, *ddl, *dgq, *ddk, *ddv;
-  CK(cudaMalloc(&dq, nq * sizeof(T)));
-  CK(cudaMalloc(&dk, nk * sizeof(T)));
-  CK(cudaMalloc(&dv, nv * sizeof(T)));
-  CK(cudaMalloc(&ddo, nd * sizeof(T)));
-  CK(cudaMalloc(&dl2, nr * sizeof(float)));
-  CK(cudaMalloc(&ddl, nr * sizeof(float)));
+  T *dq = upload(hq), *dk = upload(hk), *dv = upload(hv), *ddo = upload(hd);
+  float *dl2 = upload(hl), *ddl = upload(hdl), *dgq, *ddk, *ddv;
   CK(cudaMalloc(&dgq, nq * sizeof(float)));
   CK(cudaMalloc(&ddk, nk * sizeof(float)));
   CK(cudaMalloc(&ddv, nv * sizeof(float)));
-  CK(cudaMemcpy(dq, hq.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dk, hk.data(), nk * sizeof(T), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dv, hv.data(), nv * sizeof(T), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(ddo, hd.data(), nd * sizeof(T), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dl2, hl.data(), nr * sizeof(float), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(ddl, hdl.data(), nr * sizeof(float), cudaMemcpyHostToDevice));
   Args args{dq, dk, dv, ddo, dl2, ddl, dgq, ddk, ddv, float(scale * 1.4426950408889634), float(scale), kRows,
             {}, {}, {}, {}, {}, {}};
-  {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult qr;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
-    if (qr != cudaDriverEntryPointSuccess || !fn) {
-      std::fprintf(stderr, "cuTensorMapEncodeTiled not available\n");
-      return 1;
-    }
-    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    auto make = [&](CUtensorMap* map, const T* base, int cols, int rows, int box_rows) {
-      const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(H) * rows};
-      const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
-      const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, estr[2] = {1, 1};
-      if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<T*>(base), dims, strides, box, estr,
-                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-        std::fprintf(stderr, "cuTensorMapEncodeTiled failed\n");
-        std::exit(1);
-      }
-    };
-    make(&args.tk, dk, K, kKeys, kChunk);
-    make(&args.tv, dv, V, kKeys, kChunk);
-    make(&args.tk128, dk, K, kKeys, 2 * kChunk);
-    make(&args.tv128, dv, V, kKeys, 2 * kChunk);
-    make(&args.tq, dq, K, kRows, kChunk);
-    make(&args.tdo, ddo, V, kRows, kChunk);
-  }
-  const double flop_q = 2.0 * H * double(kRows) * kKeys * (K + V + K), flop_k = 2.0 * H * double(kRows) * kKeys * 2 * (K + V);
+  make_map(&args.tk, dk, K, kKeys, 64, kChunk, CU_TENSOR_MAP_SWIZZLE_128B);
+  make_map(&args.tv, dv, V, kKeys, 64, kChunk, CU_TENSOR_MAP_SWIZZLE_128B);
+  make_map(&args.tk128, dk, K, kKeys, 64, 2 * kChunk, CU_TENSOR_MAP_SWIZZLE_128B);
+  make_map(&args.tv128, dv, V, kKeys, 64, 2 * kChunk, CU_TENSOR_MAP_SWIZZLE_128B);
+  make_map(&args.tq, dq, K, kRows, 64, kChunk, CU_TENSOR_MAP_SWIZZLE_128B);
+  make_map(&args.tdo, ddo, V, kRows, 64, kChunk, CU_TENSOR_MAP_SWIZZLE_128B);
+  const double flop_q = 2.0 * H * double(kRows) * kKeys * (K + V + K);
+  const double flop_k = 2.0 * H * double(kRows) * kKeys * 2 * (K + V);
   std::printf("far backward loops: H %d x %d rows x %d keys, K = V = %d, bf16 (query side %.2f, key side %.2f TFLOP "
               "per run)\n", H, kRows, kKeys, K, flop_q * 1e-12, flop_k * 1e-12);
   struct Ver {

@@ -33,36 +33,19 @@
 // Build and run (from the repository root):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda dev/cuda/far_tiling.cu -o far_tiling
 //   ./far_tiling            (or ./far_tiling v16: only the versions whose name starts with that)
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/hopper.cuh"
-#include "cuda/kernel_params.h"
-#include "tf32_nt.cuh"  // CK
-
-#if defined(__CUDA_ARCH__) && !defined(PA_SM90A)
-#error "far_tiling.cu builds for sm_90a only (the wgmma versions): -gencode=arch=compute_90a,code=sm_90a"
-#endif
+#include "far_common.cuh"
 
 using namespace pathattn::cuda;
-
+using namespace pathattn::cuda::dev::far;
 
 namespace {
 
-using T = __nv_bfloat16;
-constexpr int K = 128, V = 128, LK = K + 8, LV = V + 8;
 constexpr int kThreads = 128;  // 4 warps, as the scans
-constexpr int H = 32, kRows = 16384, kKeys = 8192, kNK = kKeys / kChunk;
 
 struct Args {
   const T* q;  // [H][kRows][K]
@@ -683,58 +666,21 @@ int main(int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : nullptr;  // run only the versions whose name starts with this
   const size_t nq = size_t(H) * kRows * K, nk = size_t(H) * kKeys * K, nv = size_t(H) * kKeys * V,
                no = size_t(H) * kRows * V;
-  std::vector<T> hq(nq), hk(nk), hv(nv);
-  std::vector<float> fq(size_t(2 * kChunk) * K), fk(size_t(kKeys) * K), fv(size_t(kKeys) * V);
   uint64_t st = 0x9E3779B97F4A7C15ull;
-  auto uni = [&]() {  // in [-1, 1)
-    st ^= st << 13;
-    st ^= st >> 7;
-    st ^= st << 17;
-    return float((st >> 40) * (2.0 / 16777216.0) - 1.0);
-  };
-  for (size_t i = 0; i < nq; ++i) hq[i] = __float2bfloat16_rn(2.f * uni());
-  for (size_t i = 0; i < nk; ++i) hk[i] = __float2bfloat16_rn(2.f * uni());
-  for (size_t i = 0; i < nv; ++i) hv[i] = __float2bfloat16_rn(uni());
-  for (size_t i = 0; i < fq.size(); ++i) fq[i] = __bfloat162float(hq[i]);
-  for (size_t i = 0; i < fk.size(); ++i) fk[i] = __bfloat162float(hk[i]);
-  for (size_t i = 0; i < fv.size(); ++i) fv[i] = __bfloat162float(hv[i]);
-  T *dq, *dk, *dv;
+  const std::vector<T> hq = uniform_bf16(nq, 2.f, st), hk = uniform_bf16(nk, 2.f, st), hv = uniform_bf16(nv, 1.f, st);
+  const std::vector<float> fq = to_float(hq, size_t(2 * kChunk) * K), fk = to_float(hk, size_t(kKeys) * K),
+                           fv = to_float(hv, size_t(kKeys) * V);
+  T *dq = upload(hq), *dk = upload(hk), *dv = upload(hv);
   float* dout;
-  CK(cudaMalloc(&dq, nq * sizeof(T)));
-  CK(cudaMalloc(&dk, nk * sizeof(T)));
-  CK(cudaMalloc(&dv, nv * sizeof(T)));
   CK(cudaMalloc(&dout, no * sizeof(float)));
-  CK(cudaMemcpy(dq, hq.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dk, hk.data(), nk * sizeof(T), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dv, hv.data(), nv * sizeof(T), cudaMemcpyHostToDevice));
   const float scale = 1.f / std::sqrt(float(K));
   Args args{dq, dk, dv, dout, scale * 1.4426950408889634f, {}, {}, {}, {}};
-  {  // TMA descriptors of k and v (vw4): 2-D [H kKeys][K] bf16, boxes of 64 rows x 8 columns, no swizzle
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult qr;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
-    if (qr != cudaDriverEntryPointSuccess || !fn) {
-      std::fprintf(stderr, "cuTensorMapEncodeTiled not available\n");
-      return 1;
-    }
-    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    auto make = [&](CUtensorMap* map, const T* base, int cols, int box_cols, int box_rows, CUtensorMapSwizzle sw) {
-      const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(H) * kKeys};
-      const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(T)};
-      const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)}, estr[2] = {1, 1};
-      const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<T*>(base), dims, strides, box,
-                                estr, CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-      if (r != CUDA_SUCCESS) {
-        std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", int(r));
-        std::exit(1);
-      }
-    };
-    make(&args.tk, dk, K, 8, kChunk, CU_TENSOR_MAP_SWIZZLE_NONE);
-    make(&args.tv, dv, V, 8, kChunk, CU_TENSOR_MAP_SWIZZLE_NONE);
-    make(&args.tk6, dk, K, 64, kN5, CU_TENSOR_MAP_SWIZZLE_128B);
-    make(&args.tv6, dv, V, 64, kN5, CU_TENSOR_MAP_SWIZZLE_128B);
-  }
+  // TMA descriptors of k and v: boxes of 64 rows x 8 columns, no swizzle (vw4); 128 rows x 64 columns, 128-byte
+  // swizzle (vw6, vw7).
+  make_map(&args.tk, dk, K, kKeys, 8, kChunk, CU_TENSOR_MAP_SWIZZLE_NONE);
+  make_map(&args.tv, dv, V, kKeys, 8, kChunk, CU_TENSOR_MAP_SWIZZLE_NONE);
+  make_map(&args.tk6, dk, K, kKeys, 64, kN5, CU_TENSOR_MAP_SWIZZLE_128B);
+  make_map(&args.tv6, dv, V, kKeys, 64, kN5, CU_TENSOR_MAP_SWIZZLE_128B);
   const double flop = 4.0 * H * double(kRows) * kKeys * K;
   std::printf("far loop: H %d x %d query rows x %d keys, K = V = %d, bf16 (%.2f TFLOP per run)\n", H, kRows, kKeys,
               K, flop * 1e-12);

@@ -73,7 +73,9 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   const float LOG2E = 1.4426950408889634f;
   const float sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
   // Far chunk c: superblock S - 1 - c / 4, its 128 keys from c % 4 (the order within a superblock is free).
-  auto key0 = [&](int c) { return int64_t(S - 1 - c / kFarPerSuper) * kSuperChunks * kChunk + (c % kFarPerSuper) * kFarKeys; };
+  auto key0 = [&](int c) {
+    return int64_t(S - 1 - c / kFarPerSuper) * kSuperChunks * kChunk + (c % kFarPerSuper) * kFarKeys;
+  };
 
   auto issue = [&](int c) {  // thread 0: chunk c's k~ and v tiles into stage c % 3 once its last reader released it
     const int st = c % kFarStages;
@@ -354,7 +356,8 @@ cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntil
   }
   {
     const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
-    if (!encode(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K))) return cudaErrorInvalidValue;
+    if (!encode(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
+      return cudaErrorInvalidValue;
   }
   return dtype == 0 ? far_dispatch<__half>(p, mp, ntiles, s) : far_dispatch<__nv_bfloat16>(p, mp, ntiles, s);
 }
