@@ -9,16 +9,17 @@
 # index gets them that way: `pip download -d .whl/build scikit-build-core==1.1.2 nanobind==3.1.0`, plus
 # cmake and ninja where the machine has none). The wheel
 # is installed with the fla wheels found there into a private target directory.
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--out DIR]
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
-#   chunk kernels' phase probe (dev/cuda/phase_probe.cu).
+#   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the far-loop playgrounds
+#   (dev/cuda/far_tiling.cu, far_bwd.cu: each version alone, self-checking; prebuilt in DIR or built with nvcc).
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
+BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
@@ -29,6 +30,7 @@ while [ $# -gt 0 ]; do
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
     --probe) PROBE=1 ;;
+    --playgrounds) PLAY=1 ;;
     --out) OUTDIR=$2; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -85,6 +87,26 @@ if [ "$PROBE" = 1 ]; then
       src/cuda/bwd_chunk.cu -o "$OUTDIR/phase_probe" && PP=$OUTDIR/phase_probe
   fi
   if [ -x "$PP" ]; then "$PP" | tee "$OUTDIR/phase_probe.txt" || status=1; else echo "phase probe: not built (no nvcc)"; status=1; fi
+fi
+
+if [ "$PLAY" = 1 ]; then
+  # The far-loop playgrounds, one process per version (a wrong descriptor or barrier parity faults or traps and
+  # must not take the other versions with it).
+  echo "== far-loop playgrounds"
+  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0; do
+    name=${prog%%:*} vers=${prog#*:}
+    exe=$BUILD/$name
+    if [ ! -x "$exe" ] && command -v nvcc > /dev/null; then
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda "dev/cuda/$name.cu" -o "$OUTDIR/$name" \
+        && exe=$OUTDIR/$name
+    fi
+    if [ ! -x "$exe" ]; then echo "$name: not built (no nvcc)"; status=1; continue; fi
+    for v in ${vers//,/ }; do
+      # "vw" alone would also select vw2 .. vw7: a version name is followed by a blank in the programs' tables.
+      timeout 300 "$exe" "$v " 2>&1 | grep -vE "^all checks|^CHECK FAILED" | tee -a "$OUTDIR/$name.txt" | tail -1
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+  done
 fi
 
 if [ "$BENCH" = 1 ]; then
