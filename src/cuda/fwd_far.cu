@@ -23,7 +23,7 @@ namespace {
 constexpr int kFarThreads = 256;                                    // two warpgroups
 constexpr int kFarKeys = 128;                                       // keys per far chunk
 constexpr int kFarStages = 3;                                       // chunk c - 1, c, c + 1
-[[maybe_unused]] constexpr int kFarPerSuper = kSuperChunks * kChunk / kFarKeys;      // far chunks per superblock
+[[maybe_unused]] constexpr int kFarPerSuper = kSuperChunks * kChunk / kFarKeys;  // far chunks a superblock
 
 // The tensor maps of one call: ks [NT][H][K] (3-D), v [B][T][H][V] with its strides (4-D), ps
 // [nsuper H K][K] (2-D); boxes of 64 columns (128 bytes, 128-byte swizzle) by 128 key rows (K rows for ps).
