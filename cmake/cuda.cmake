@@ -27,6 +27,11 @@ add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
 set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
 target_include_directories(pathattn_cuda PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
 target_compile_options(pathattn_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3 --expt-relaxed-constexpr>)
+# fwd_far.cu's kernel has a body only in an sm_90a device pass; the host side runs it only when one is built
+# (an sm_90 binary without the "a" features would hold an empty kernel).
+if(PATHATTN_CUDA_GENCODE MATCHES "code=sm_90a")
+  target_compile_definitions(pathattn_cuda PRIVATE PATHATTN_CUDA_SM90A_CODE)
+endif()
 
 target_sources(pathattn PRIVATE $<TARGET_OBJECTS:pathattn_cuda>)
 set_target_properties(pathattn PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17)

@@ -304,6 +304,10 @@ cudaError_t far_dispatch(const KernelParams& p, const FarMaps& mp, int ntiles, c
 }  // namespace
 
 bool fwd_far_usable(const KernelParams& p) {
+#ifndef PATHATTN_CUDA_SM90A_CODE
+  (void)p;
+  return false;  // no sm_90a device code in this build: the kernel is empty
+#endif
   const char* env = std::getenv("PATHATTN_CUDA_FAR");
   if (env && std::strcmp(env, "0") == 0) return false;
   if (!p.path || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
