@@ -82,34 +82,36 @@ __device__ __forceinline__ void fence_regs(E (&d)[N][4]) {
   PA_WG_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, " \
             "%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
+// One wgmma: shape (m64nNk16), the accumulator registers' operand list and the rest of the PTX after the
+// accumulators; the element type's name (f16 or bf16 for E) is spliced in. Output / input lists are given in
+// parentheses (they hold commas).
+#define PA_UNPAREN(...) __VA_ARGS__
+#define PA_WG_MMA(E, pred, shape, dregs, tail, outs, ins)                                                    \
+  do {                                                                                                       \
+    if constexpr (std::is_same_v<E, __half>)                                                                 \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " pred ", 0;\nwgmma.mma_async.sync.aligned." shape    \
+                   ".f32.f16.f16 {" dregs "}, " tail ";\n}\n"                                               \
+                   : PA_UNPAREN outs                                                                         \
+                   : PA_UNPAREN ins);                                                                        \
+    else                                                                                                     \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " pred ", 0;\nwgmma.mma_async.sync.aligned." shape    \
+                   ".f32.bf16.bf16 {" dregs "}, " tail ";\n}\n"                                             \
+                   : PA_UNPAREN outs                                                                         \
+                   : PA_UNPAREN ins);                                                                        \
+  } while (0)
+
 template <typename E, int TNSPB>
 __device__ __forceinline__ void wg_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
 #ifdef PA_SM90A
-  if constexpr (std::is_same_v<E, __half>)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" PA_WG_R32
-                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-                 : PA_WG_D64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" PA_WG_R32
-                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-                 : PA_WG_D64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+  PA_WG_MMA(E, "%37", "m64n64k16", PA_WG_R32, "{%32, %33, %34, %35}, %36, p, 1, 1, %38", (PA_WG_D64),
+            ("r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB)));
 #endif
 }
 template <typename E, int TNSPB>
 __device__ __forceinline__ void wg_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int acc = 1) {
 #ifdef PA_SM90A
-  if constexpr (std::is_same_v<E, __half>)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" PA_WG_R64
-                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-                 : PA_WG_D128
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" PA_WG_R64
-                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-                 : PA_WG_D128
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB));
+  PA_WG_MMA(E, "%69", "m64n128k16", PA_WG_R64, "{%64, %65, %66, %67}, %68, p, 1, 1, %70", (PA_WG_D128),
+            ("r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TNSPB)));
 #endif
 }
 // d (64 x 64) += A B with both operands from shared memory through descriptors (A 64 x 16, K-major unless
@@ -117,18 +119,12 @@ __device__ __forceinline__ void wg_rs(float (&d)[16][4], const uint32_t (&a)[4],
 template <typename E, int TNSPA, int TNSPB>
 __device__ __forceinline__ void wg_ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc = 1) {
 #ifdef PA_SM90A
-  if constexpr (std::is_same_v<E, __half>)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" PA_WG_R32
-                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
-                 : PA_WG_D64
-                 : "l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" PA_WG_R32
-                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
-                 : PA_WG_D64
-                 : "l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB));
+  PA_WG_MMA(E, "%34", "m64n64k16", PA_WG_R32, "%32, %33, p, 1, 1, %35, %36", (PA_WG_D64),
+            ("l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB)));
 #endif
 }
+#undef PA_WG_MMA
+#undef PA_UNPAREN
 #undef PA_WG_D8
 #undef PA_WG_D64
 #undef PA_WG_D128
