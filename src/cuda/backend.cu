@@ -191,16 +191,13 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
   PA_TRY(alloc_super(ws, kp, t, pr));
   // The far part on Hopper (fwd_far.cu), where this build, the device and the call's shapes allow it: tiles of
-  // two query chunks (an even chunk and the next) past their sequence's superblock 0, most work first. Only
-  // when some sequence has more than two superblocks: with at most one far superblock per query the split
-  // costs more than it saves (BENCH.md shapes at T = 1k, forward 3.86 -> 4.28 ms at K = 128).
+  // two query chunks (an even chunk and the next) past their sequence's superblock 0, most work first (in the
+  // scan's order). Only when some sequence has more than two superblocks: with at most one far superblock per
+  // query the split costs more than it saves (BENCH.md shapes at T = 1k, forward 3.86 -> 4.28 ms at K = 128).
   std::vector<int32_t> far_tiles;
-  if (kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks && fwd_far_usable(kp)) {
-    for (size_t i = 0; i < t.chunks.size(); ++i)
-      if (t.chunks[i].c >= kSuperChunks && t.chunks[i].c % 2 == 0) far_tiles.push_back(int32_t(i));
-    std::stable_sort(far_tiles.begin(), far_tiles.end(),
-                     [&](int32_t a, int32_t b) { return t.chunks[size_t(a)].c > t.chunks[size_t(b)].c; });
-  }
+  if (kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks && fwd_far_usable(kp))
+    for (const int32_t i : t.order)
+      if (t.chunks[size_t(i)].c >= kSuperChunks && t.chunks[size_t(i)].c % 2 == 0) far_tiles.push_back(i);
   int32_t* far_dev = nullptr;
   if (!far_tiles.empty()) {
     const size_t NT = size_t(pr.B) * pr.T;

@@ -312,18 +312,25 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// The forward's epilogue for a warp's 16 rows (rr) of query chunk qc, rows at and past nq skipped: o / l into
-// p.o (type T) and lse = (m + log2 l) ln 2 into p.lse when present; l holds the lane's partial row sums.
+// The forward's epilogues: f(hr, r, lt) for each of a warp's two rows rr[hr] below nq, lt the row's softmax sum
+// (its quad's partial sums l added; every lane takes part in that).
+template <class F>
+__device__ __forceinline__ void for_fwd_rows(const int (&rr)[2], int nq, const float (&l)[2], F f) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float lt = quad_sum(l[hr]);
+    if (rr[hr] < nq) f(hr, rr[hr], lt);
+  }
+}
+
+// o / l of a warp's 16 rows (rr) of query chunk qc into p.o (type T), rows at and past nq skipped, and lse =
+// (m + log2 l) ln 2 into p.lse when present.
 template <typename T, int V>
 __device__ __forceinline__ void store_fwd_rows(const KernelParams& p, const ChunkDesc& ch, int qc, int hq,
                                                const int (&rr)[2], int nq, const float (&o)[V / 8][4],
                                                const float (&m)[2], const float (&l)[2]) {
   const int t4 = threadIdx.x & 3;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float lt = quad_sum(l[hr]);
-    const int r = rr[hr];
-    if (r >= nq) continue;
+  for_fwd_rows(rr, nq, l, [&](int hr, int r, float lt) {
     const float inv = 1.f / lt;
     const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
     T* orow = static_cast<T*>(p.o) + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
@@ -334,7 +341,7 @@ __device__ __forceinline__ void store_fwd_rows(const KernelParams& p, const Chun
     }
     if (p.lse && t4 == 0)
       p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
-  }
+  });
 }
 
 // ----------------------------------------------------------------------------------------------------

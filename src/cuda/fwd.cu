@@ -168,11 +168,7 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
     return;
   }
   // Split: the state fwd_far starts from (queries at the superblock's start, output so far, its lse).
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float lt = quad_sum(l[hr]);
-    const int r = rr[hr];
-    if (r >= nq) continue;
+  for_fwd_rows(rr, nq, l, [&](int hr, int r, float lt) {
     const float inv = 1.f / lt;
     const int64_t row = (tokq0 + r) * p.HQ + hq;
 #pragma unroll
@@ -183,7 +179,7 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
       *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =
           make_float2(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
     if (t4 == 0) p.lsefar[row] = m[hr] + log2f(lt);
-  }
+  });
 }
 
 template <typename T, int K, int V>
