@@ -201,7 +201,10 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   int32_t* far_dev = nullptr;
   if (!far_tiles.empty()) {
     const size_t NT = size_t(pr.B) * pr.T;
-    PA_CU(ws.alloc(&kp.ofar, NT * pr.HQ * pr.V));
+    // At V = 64 the output so far takes the place of A_loc ([NT, HQ, 64] floats): fwd_scan reads a row's A_loc
+    // (the diagonal) and writes its output so far from the same thread, element for element.
+    if (pr.V == kChunk) kp.ofar = kp.aloc;
+    else PA_CU(ws.alloc(&kp.ofar, NT * pr.HQ * pr.V));
     PA_CU(ws.alloc(&kp.lsefar, NT * pr.HQ));
     PA_CU(ws.alloc(&far_dev, far_tiles.size()));
     PA_CU(ws.upload(far_dev, far_tiles.data(), far_tiles.size() * sizeof(int32_t)));
@@ -289,7 +292,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
 
   // Persistent grids: scratch_slots snapshots of C x K (16-bit) per CTA.
   const int nseqs = int(t.seq_first.size());
-  const int q_items = p.deterministic ? nseqs * int(H) : kp.nchunks * int(HQ);
+  const int q_items = kp.nchunks * int(HQ);
+  if (p.deterministic) {  // the fixed order of the dP / dPS sums (bwd_q.cu)
+    const size_t n = (size_t(kp.nchunks) + size_t(kp.nsuper)) * H + 1;
+    PA_CU(ws.alloc(&kp.tickets, n));
+    PA_CU(ws.zero(kp.tickets, n * sizeof(int)));
+  }
   const int k_items = kp.nchunks * int(H);
   const int gq = std::min(q_items, bwd_q_max_grid(kp, dt));
   const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
@@ -305,11 +313,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("gate+chunk_prep+delta");
   PA_CU(launch_super_prep(kp, dt, s));
   prof.mark("super_prep");
-  {
-    KernelParams kq = kp;
-    if (p.deterministic) kq.order = seq_first;
-    PA_CU(launch_bwd_q(kq, dt, gq, q_items, s));
-  }
+  PA_CU(launch_bwd_q(kp, dt, gq, q_items, s));
   prof.mark("bwd_q");
   PA_CU(launch_bwd_k(kp, dt, gk, s));
   prof.mark("bwd_k");

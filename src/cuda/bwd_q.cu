@@ -9,7 +9,9 @@
 //          the own superblock's chunks, dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T, plus scale dS k~;
 //          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 atomics, or,
-// in deterministic mode, one CTA owns a whole (sequence, kv head) and adds in a fixed order.
+// in deterministic mode, plain adds in the order of the items (a ticket per sum: an item waits until every
+// earlier item adding into the same sum has added; the grid is persistent and takes items in order, so the
+// earliest unfinished item never waits).
 // gbar lives in registers (a warp's 16 query rows, C layout; the chain steps take it as the A operand through
 // warp_mma_rr_tf32) and is staged in shared memory only for the dP / dPS outer products, which sum over all rows;
 // the staging tile lies over the key / value tiles (free at the outer products), the diagonal's dS tile over
@@ -23,6 +25,27 @@ namespace {
 
 constexpr int kBwdThreads = 128;  // 4 warps x 16 rows, as in the forward
 static_assert(kBwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
+
+// Deterministic mode's tickets: `ticket` counts the adds done into one sum; the CTA's item is the rank-th.
+__device__ __forceinline__ void ticket_wait(const int* ticket, int rank) {
+  if (threadIdx.x == 0) {
+    for (uint32_t spins = 0;; ++spins) {
+      int v;
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ticket) : "memory");
+      if (v == rank) break;
+      if (spins > (1u << 26)) __trap();  // a miscounted ticket: an error, not a hang
+      __nanosleep(100);
+    }
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void ticket_pass(int* ticket, int rank) {
+  __syncthreads();  // every thread's adds are issued
+  if (threadIdx.x == 0) {
+    __threadfence();
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ticket), "r"(rank + 1) : "memory");
+  }
+}
 
 template <int K, int V>
 struct BwdQSmem {
@@ -211,6 +234,12 @@ struct BwdQ {
     // superblock's end, one dense adjoint step per superblock), then the chunks of the query's own
     // superblock (one low-rank adjoint step per chunk).
     float* dPbase = p.dP + (int64_t(ch.first) * p.H + h) * K * K;
+    // Deterministic order: the items adding into one sum are the later chunks of the sequence that reach it,
+    // each with the group's query heads, taken in the item order (chunks descending, heads ascending).
+    const int nc = (ch.len + kChunk - 1) / kChunk, hr_in_group = hq - h * p.group;
+    int* tk_p = p.tickets ? p.tickets + int64_t(ch.first) * p.H + h : nullptr;
+    int* tk_ps = p.tickets ? p.tickets + int64_t(p.nchunks + ch.sfirst) * p.H + h : nullptr;
+    auto rank_after = [&](int last) { return (last - qc) * p.group + hr_in_group; };
     float gq[K / 8][4];  // gbar, this warp's rows
     zero_acc(gq);
     // gq -> gb (own rows); callers sync before other warps read gb.
@@ -221,10 +250,11 @@ struct BwdQ {
         for (int hr = 0; hr < 2; ++hr)
           *reinterpret_cast<float2*>(gb + rr[hr] * LG + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
     };
-    // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): fp32 atomics, or plain adds in
-    // deterministic mode (one CTA per (sequence, kv head)).
-    auto add_outer = [&](float* dst_base) {
+    // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): fp32 atomics, or, in deterministic mode,
+    // plain adds (through L2) once `ticket` says the rank earlier items have added theirs.
+    auto add_outer = [&](float* dst_base, int* ticket, int rank) {
       constexpr int MT = K / 64;
+      if (p.deterministic) ticket_wait(ticket, rank);
 #pragma unroll
       for (int n0 = 0; n0 < K; n0 += 64) {
         float d[MT][8][4];
@@ -239,8 +269,8 @@ struct BwdQ {
               const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4;
               float* dst = dst_base + a * K + b;
               if (p.deterministic) {
-                dst[0] += d[mt][nt][e];
-                dst[1] += d[mt][nt][e + 1];
+                const float2 o = __ldcg(reinterpret_cast<const float2*>(dst));
+                __stcg(reinterpret_cast<float2*>(dst), make_float2(o.x + d[mt][nt][e], o.y + d[mt][nt][e + 1]));
               } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
                 atomicAdd(reinterpret_cast<float2*>(dst), make_float2(d[mt][nt][e], d[mt][nt][e + 1]));
@@ -251,6 +281,7 @@ struct BwdQ {
               }
             }
       }
+      if (p.deterministic) ticket_pass(ticket, rank);
     };
     // Qh (fp16 snapshot) as the score operand in the input type, converted in place (each thread its own
     // elements). Callers sync before (the outer product has read Qh) and after (before the scores).
@@ -317,7 +348,8 @@ struct BwdQ {
         __syncthreads();
         if (sb > 0) {
           // Across superblock sb (qt_{sb-1} = qt_sb PS_sb): dPS_sb += qt_sb^T gbar, gbar <- gbar PS_sb^T.
-          add_outer(dPSbase + int64_t(sb) * p.H * K * K);
+          add_outer(dPSbase + int64_t(sb) * p.H * K * K, tk_ps ? tk_ps + int64_t(sb) * p.H : nullptr,
+                    rank_after(nc - 1));
           float ga[K / 8][4];
           zero_acc(ga);
           warp_mma_rr_tf32<K / 8, K / 8, false>(ga, gq, Ws, LK, 0);
@@ -379,7 +411,9 @@ struct BwdQ {
       cp_async_wait_all();
       __syncthreads();
       // Across chunk kc: dP_kc += qt_kc^T gbar (before gbar's step below).
-      if (kc > 0) add_outer(dPbase + int64_t(kc) * p.H * K * K);
+      if (kc > 0)
+        add_outer(dPbase + int64_t(kc) * p.H * K * K, tk_p ? tk_p + int64_t(kc) * p.H : nullptr,
+                  rank_after(p.path ? min(kc / kSuperChunks * kSuperChunks + kSuperChunks - 1, nc - 1) : nc - 1));
       __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
       load_keys(ktp, kc, Ks, Vs, Gk);
       cp_async_commit();
@@ -428,14 +462,20 @@ __global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(Ker
   __half* scratch = p.scratch + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
   if (!p.deterministic) {
     for (int it = blockIdx.x; it < nitems; it += gridDim.x) w.run(p, p.order[it / p.HQ], it % p.HQ, scratch);
-  } else {
-    // Items are (sequence, kv head); nitems = nseqs * H. order[] here lists each sequence's first chunk.
-    for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
-      const int first = p.order[it / p.H], h = it % p.H;
-      const int nc = (p.chunks[first].len + kChunk - 1) / kChunk;
-      for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq)
-        for (int c = 0; c < nc; ++c) w.run(p, first + c, hq, scratch);
-    }
+    return;
+  }
+  // Deterministic mode: items are started in order from a counter (after the tickets), so the earliest unfinished
+  // item has started on a resident CTA and waits for nobody: the tickets cannot deadlock, whatever number of
+  // this grid's CTAs the device holds at once.
+  __shared__ int next;
+  int* counter = p.tickets + int64_t(p.nchunks + p.nsuper) * p.H;
+  for (;;) {
+    __syncthreads();  // the previous item is done with `next`
+    if (threadIdx.x == 0) next = atomicAdd(counter, 1);
+    __syncthreads();
+    const int it = next;
+    if (it >= nitems) return;
+    w.run(p, p.order[it / p.HQ], it % p.HQ, scratch);
   }
 }
 

@@ -79,7 +79,7 @@ struct KernelParams {
   void* ks;         // [NT, H, K]   keys moved to the end of their superblock (full superblocks), dtype of k
   __half* ps;       // [nsuper, H, K, K] superblock products P_last ... P_first, fp16 (forward only)
   // Forward split at the own superblock's start (fwd_far.cu): set, fwd_scan leaves its state there for fwd_far.
-  float* ofar;      // [NT, HQ, V]  output over the keys of the own superblock, normalized (null: no split)
+  float* ofar;      // [NT, HQ, V]  output over the keys of the own superblock, normalized (null: no split; aloc at V = 64)
   float* lsefar;    // [NT, HQ]     its log2-sum-exp of the scaled scores (base 2)
   // Backward workspace.
   float* delta;     // [NT, HQ]     rowsum(dO * O)
@@ -97,6 +97,8 @@ struct KernelParams {
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
   float* sscr;      // [grid, kSuperChunks, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
   bool deterministic;
+  int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
+                    // query side's next item (zeroed)
 };
 
 }  // namespace pathattn::cuda
