@@ -303,8 +303,40 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
   kp.scratch_slots = scratch_slot_count(kp.max_chunks, pr.path);
-  PA_CU(ws.alloc(&kp.scratch, size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K));
+  size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
+  // The key side's far part on Hopper (bwd_k_far.cu), where this build, the device and the call allow it: tiles
+  // of a superblock pair's two chunks whose sequence goes on past their superblock, lowest chunk (most work)
+  // first. Its parked key states take the scratch too (it runs between bwd_q and bwd_k). As in the forward,
+  // only when some sequence has more than two superblocks (K = 128, T = 1k, f+b at the default limit: 22.24 ->
+  // 22.71 ms with it: its two extra launches per one-head slice cost more than the far keys save).
+  std::vector<int32_t> kfar_tiles;
+  int park_slots = 1, kfar_grid = 0;
+  if (kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks && bwd_k_far_usable(kp)) {
+    for (auto i = t.order.rbegin(); i != t.order.rend(); ++i) {
+      const ChunkDesc& c = t.chunks[size_t(*i)];
+      const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kSuperChunks, sbk = c.c / kSuperChunks;
+      if (c.c % 2 != 0 || last_sb <= sbk) continue;
+      kfar_tiles.push_back(*i);
+      park_slots = std::max(park_slots, last_sb - sbk - 1);
+    }
+  }
+  int32_t* kfar_dev = nullptr;
+  float2* lsd = nullptr;
+  bool zero_qhat = false;
+  if (!kfar_tiles.empty()) {
+    kfar_grid = bwd_k_far_grid(int(kfar_tiles.size()), int(H));
+    if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
+    scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, park_slots, int(K)));
+    PA_CU(ws.alloc(&kfar_dev, kfar_tiles.size()));
+    PA_CU(ws.upload(kfar_dev, kfar_tiles.data(), kfar_tiles.size() * sizeof(int32_t)));
+    PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
+    // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
+    // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).
+    for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
+  }
+  PA_CU(ws.alloc(&kp.scratch, scratch_elems));
   if (ws.measuring()) return Status::Ok();
+  if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
@@ -315,6 +347,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("super_prep");
   PA_CU(launch_bwd_q(kp, dt, gq, q_items, s));
   prof.mark("bwd_q");
+  if (!kfar_tiles.empty()) {
+    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, park_slots, kfar_grid, dt, s));
+    prof.mark("bwd_k_far");
+    kp.kfar = true;
+  }
   PA_CU(launch_bwd_k(kp, dt, gk, s));
   prof.mark("bwd_k");
   PA_CU(launch_super_bwd(kp, dt, sb_rows, sb_grid, s));

@@ -9,6 +9,8 @@
 //          dv += P^T dO (direct) and the key adjoint h = sum_hq scale dS^T q + h PS_a (or h P_qc) (tf32);
 //          h at the own superblock's end is dks (far queries only, for the superblock products' gradient),
 //          and the chain ends with dk~ = h_{kc+1}.
+// With p.kfar, bwd_k_far.cu did the far superblocks (on Hopper): pass 1 stops at the own superblock's end and
+// pass 2 starts from its h (dks) and dv.
 // Every output row belongs to this CTA alone: no atomics, deterministic in every mode. A warp owns 16 key
 // rows and every step of h is row-wise, so h and dv stay in registers (the chain steps take h as the A
 // operand through warp_mma_rr_tf32); about 105 KB of shared memory at K = V = 128: two CTAs per SM.
@@ -110,7 +112,7 @@ struct BwdK {
         warp_mma_rs<__half, K / 16, 8, false>(y, kt, 1.f, W2s, LK, 0);
         warp_mma_rs<__half, 4, K / 8, true>(kt, y, -1.f, Ws, LK, 0);
       }
-      if (far) {
+      if (far && !p.kfar) {
         for (int a = sbk + 1; a <= last_sb; ++a) {
           park(kt, kSuperChunks + a);
           if (a == last_sb) break;
@@ -277,7 +279,24 @@ struct BwdK {
       warp_mma_rr_tf32<8, K / 8, true>(hk, y, W2s, LK, 0);
     };
     // ---- pass 2: query superblocks, then query chunks, right to left.
-    if (far) {
+    if (far && p.kfar) {  // the far superblocks' part from bwd_k_far: h at the own superblock's end, dv
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int64_t row = (tokk0 + rr[hr]) * p.H + h;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          const float2 x = *reinterpret_cast<const float2*>(p.dks + row * K + 8 * nt + 2 * t4);
+          hk[nt][2 * hr] = x.x;
+          hk[nt][2 * hr + 1] = x.y;
+        }
+#pragma unroll
+        for (int nt = 0; nt < V / 8; ++nt) {
+          const float2 x = *reinterpret_cast<const float2*>(p.dvk + row * V + 8 * nt + 2 * t4);
+          dv[nt][2 * hr] = x.x;
+          dv[nt][2 * hr + 1] = x.y;
+        }
+      }
+    } else if (far) {
       for (int a = last_sb; a > sbk; --a) {
         __syncthreads();
         load_tile_async<K>(Ss, scratch + size_t(kSuperChunks + a) * kChunk * K, K, kChunk);

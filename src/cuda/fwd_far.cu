@@ -8,14 +8,13 @@
 // each), 128-key chunks in 128-byte swizzled tiles loaded by TMA (one thread issues them) into three stages
 // with full / empty mbarriers, S = q k~^T and P V on wgmma with the scores of a chunk issued together with
 // P V of the previous one. The superblock product goes through a fourth tile with its own barriers.
-#include <cudaTypedefs.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "cuda/hopper.cuh"
 #include "cuda/launchers.h"
+#include "cuda/tensor_map.h"
 
 namespace pathattn::cuda {
 namespace {
@@ -265,30 +264,6 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against the driver library).
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult qr;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
-        qr != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A tensor map over a 16-bit tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes of 64 elements
-// by box_rows along dimension `row_dim` (1 elsewhere), 128-byte swizzle.
-bool encode(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
-            const cuuint64_t* strides, int row_dim, int box_rows) {
-  cuuint32_t box[4] = {64, 1, 1, 1}, estr[4] = {1, 1, 1, 1};
-  box[row_dim] = cuuint32_t(box_rows);
-  return encode_fn()(map, dt, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, estr,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <typename T, int K, bool kGate>
 cudaError_t far_t(const KernelParams& p, const FarMaps& mp, int ntiles, cudaStream_t s) {
   return launch_with_smem(fwd_far_kernel<T, K, K, kGate>, dim3(unsigned(int64_t(ntiles) * p.HQ)), kFarThreads,
@@ -303,23 +278,18 @@ cudaError_t far_dispatch(const KernelParams& p, const FarMaps& mp, int ntiles, c
 
 }  // namespace
 
-bool fwd_far_usable(const KernelParams& p) {
+bool far_device_ok(size_t smem) {
 #ifndef PATHATTN_CUDA_SM90A_CODE
-  (void)p;
-  return false;  // no sm_90a device code in this build: the kernel is empty
+  (void)smem;
+  return false;  // no sm_90a device code in this build: the far kernels are empty
 #endif
   const char* env = std::getenv("PATHATTN_CUDA_FAR");
   if (env && std::strcmp(env, "0") == 0) return false;
-  if (!p.path || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
-  // TMA wants 16-byte aligned bases and strides.
-  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d)
-    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0) return false;
-  if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.H * p.K >= (int64_t(1) << 40)) return false;
-  // Per device (cached): an sm_90a binary of this file (the kernel has a body only there), a Hopper device with
-  // the shared memory a CTA takes, and the driver's tensor-map encoder. Errors of these queries are cleared.
+  // Per device (cached): an sm_90a binary of the far kernels (they have a body only there), a Hopper device,
+  // its opt-in shared memory a block, and the driver's tensor-map encoder. Errors of these queries are cleared.
   constexpr int kDevs = 64;
-  static std::atomic<int> cache[kDevs] = {};  // 0: unknown, 1: usable, 2: not
+  static std::atomic<int> cache[kDevs] = {};   // 0: unknown, 1: sm_90a binary on Hopper with an encoder, 2: not
+  static std::atomic<int> optin[kDevs] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
@@ -327,21 +297,31 @@ bool fwd_far_usable(const KernelParams& p) {
   }
   if (dev < 0 || dev >= kDevs) return false;
   if (cache[dev].load() == 0) {
-    int major = 0, optin = 0;
+    int major = 0, opt = 0;
     cudaFuncAttributes attr{};
     bool failed = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-                  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess;
-    bool ok = !failed && major == 9 && size_t(optin) >= FarSmem<128, 128>::bytes;
+                  cudaDeviceGetAttribute(&opt, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess;
+    bool ok = !failed && major == 9;
     if (ok) {
       failed = cudaFuncGetAttributes(&attr, fwd_far_kernel<__half, 64, 64, false>) != cudaSuccess;
-      ok = !failed && attr.binaryVersion == 90 && encode_fn() != nullptr;
+      ok = !failed && attr.binaryVersion == 90 && tensor_map_encoder() != nullptr;
     }
     if (failed) cudaGetLastError();  // only this function's own failed query
+    optin[dev].store(opt);
     cache[dev].store(ok ? 1 : 2);
   }
-  return cache[dev] == 1;
+  return cache[dev] == 1 && size_t(optin[dev].load()) >= smem;
 }
 
+bool fwd_far_usable(const KernelParams& p) {
+  if (!p.path || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
+  // TMA wants 16-byte aligned bases and strides.
+  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0) return false;
+  if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.H * p.K >= (int64_t(1) << 40)) return false;
+  return far_device_ok(FarSmem<128, 128>::bytes);
+}
 
 cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;
@@ -351,16 +331,16 @@ cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntil
   const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), K = cuuint64_t(p.K), V = cuuint64_t(p.V);
   {
     const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
-    if (!encode(&mp.ks, dt, p.ks, 3, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
+    if (!encode_tiles(&mp.ks, dt, p.ks, 3, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
   }
   {
     const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
     const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
-    if (!encode(&mp.v, dt, p.v, 4, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
+    if (!encode_tiles(&mp.v, dt, p.v, 4, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
   }
   {
     const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
-    if (!encode(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
+    if (!encode_tiles(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
       return cudaErrorInvalidValue;
   }
   return dtype == 0 ? far_dispatch<__half>(p, mp, ntiles, s) : far_dispatch<__nv_bfloat16>(p, mp, ntiles, s);

@@ -96,6 +96,7 @@ struct KernelParams {
   float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
   float* sscr;      // [grid, kSuperChunks, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
+  bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
   bool deterministic;
   int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
                     // query side's next item (zeroed)

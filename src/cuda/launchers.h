@@ -33,7 +33,19 @@ cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntil
 cudaError_t launch_bwd_delta(const KernelParams& p, int dtype, cudaStream_t s);
 // Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots).
 cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, cudaStream_t s);
-// Key-side pass (dkt, dvk, dgcol).
+// Key side's far part on sm_90a (bwd_k_far.cu), after bwd_q (qhat): per (tile of the two chunks of a superblock
+// pair with later superblocks in their sequence, kv head), writes dks and the far part of dvk; bwd_k then runs
+// with p.kfar set. `tiles`: each tile's first (even) chunk's table index, most work first; lsd: [HQ][nchunks][64]
+// float2 (filled here); the parked key states go to p.scratch (bwd_k_far_park_elems 16-bit elements, park_slots
+// states a CTA: the most superblocks any tile's keys cross, last_sb - sbk - 1, at least 1); grid from
+// bwd_k_far_grid. bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
+// (no gate).
+bool bwd_k_far_usable(const KernelParams& p);
+int bwd_k_far_grid(int ntiles, int H);
+size_t bwd_k_far_park_elems(int grid, int park_slots, int K);
+cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
+                             int grid, int dtype, cudaStream_t s);
+// Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk).
 cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s);
 // Chunk-local backward through the UT transform: dq, dk, dv, dw, dbeta.
 cudaError_t launch_bwd_chunk(const KernelParams& p, int dtype, cudaStream_t s);

@@ -309,6 +309,26 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
   unsetenv("PATHATTN_CUDA_FAR");
 }
 
+// The key side's far part (bwd_k_far on Hopper, else bwd_k alone) against the oracle, both ways: GQA, rows past a
+// sequence's end in its last chunk (T % 64 != 0: the next batch row's or sequence's rows in the query tiles),
+// varlen with an empty sequence, one to four superblocks crossed, beta = 2 and near 2.
+TEST(CudaBackend, BackwardKeyFarAndWhole) {
+  REQUIRE_GPU();
+  for (const char* far : {"0", "1"}) {
+    setenv("PATHATTN_CUDA_FAR", far, 1);
+    check_case(mk(1600, 4, 2, 64, 64, false, BetaMode::uniform02, DType::bf16, 94), true, {}, true);
+    check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 95), true, {}, true);
+    CaseSpec s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 96);
+    s.B = 1;
+    s.seqlens = {0, 700, 1363, 37};
+    check_case(s, true, {}, true);
+    s = mk(2500, 2, 2, 64, 64, false, BetaMode::near2, DType::bf16, 97);
+    s.B = 1;
+    check_case(s, true, {}, true);
+  }
+  unsetenv("PATHATTN_CUDA_FAR");
+}
+
 // The accuracy bar of the CUDA issue: bf16, T in 512..2048, K in {64, 128}, beta ~ U(0, 2), gate on/off.
 TEST(CudaBackend, AccuracyBar) {
   REQUIRE_GPU();

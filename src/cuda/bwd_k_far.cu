@@ -1,0 +1,456 @@
+// cuda/bwd_k_far.cu: the key side's far part of the backward on Hopper (sm_90a). For a key tile (the two chunks
+// of a superblock pair, 128 keys, one warpgroup each) of a kv head, the queries of every later superblock a of
+// its sequence meet the keys moved to a's start, kt_a = ks PS_{sbk+1}^T ... PS_{a-1}^T (ks: the keys at their
+// own superblock's end, from super_prep), with qhat (the queries moved to their superblock's start, from
+// bwd_q). Per tile:
+//   pass 1 (left to right) carries kt across the later superblocks (kt <- kt PS_a^T, fp16 operands as bwd_k),
+//          parking each state (in the input type) in this CTA's scratch;
+//   pass 2 (right to left) runs, per later superblock a, dev/cuda/far_bwd.cu's bkw0 loop with kt_a as the
+//          resident A tile: per (query chunk of a, query head of the group) S^T = kt_a qhat^T, dP^T = v dO^T,
+//          dv += P^T dO, h += scale dS^T qhat, and between superblocks h <- h PS_a;
+// h at the own superblock's end is dks (bwd_k's far result), and bwd_k (with p.kfar) continues from dks and
+// dv. Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full
+// / empty mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, built below). Every output row
+// has one owner: deterministic. Not for the gate (bwd_k keeps those calls whole).
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/hopper.cuh"
+#include "cuda/launchers.h"
+#include "cuda/tensor_map.h"
+
+namespace pathattn::cuda {
+namespace {
+
+constexpr int kKfThreads = 256;  // two warpgroups
+constexpr int kKfKeys = 128;     // keys per tile: the two chunks of a superblock pair
+constexpr int kKfStages = 3;     // query items j - 1, j, j + 1
+
+struct KfMaps {
+  CUtensorMap ks;    // [NT][H][K]: boxes of 64 columns x 128 keys
+  CUtensorMap v;     // [B][T][H][V] with v's strides: the same boxes
+  CUtensorMap park;  // [rows][K] this call's parked key states (kp.scratch): 64 columns x 128 rows
+  CUtensorMap qhat;  // [NT][HQ][K]: 64 columns x 64 query rows
+  CUtensorMap dout;  // [B][T][HQ][V] with dO's strides: 64 columns x 64 query rows
+  CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
+  const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
+  const float2* lsd;     // [HQ][nchunks][64] (lse in base 2, delta) per query row; +inf past the sequence
+  int park_slots;        // parked states per CTA (128 x K each)
+};
+
+template <int K>
+struct KfSmem {
+  static constexpr size_t kt = size_t(kKfKeys) * K * 2, q = size_t(kChunk) * K * 2, lsd = size_t(kChunk) * 8;
+  // Kt, Vt, the stages' q / dO tiles, the superblock product (fp16), the stages' scalars, barriers.
+  static constexpr size_t bytes = 1024 + 2 * kt + kKfStages * 2 * q + size_t(K) * K * 2 + kKfStages * lsd + 8 * 16;
+};
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_constant__ KernelParams p,
+                                                                  const __grid_constant__ KfMaps mp, int nitems) {
+#ifdef PA_SM90A
+  constexpr int V = K, KB = K / 64;  // 64-column blocks of a row
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Kt = reinterpret_cast<T*>(align1k(smem));  // [128 keys][K] as KB column blocks of 128 x 64
+  T* Vt = Kt + kKfKeys * K;
+  T* Qs = Vt + kKfKeys * V;                      // [stage][64][K] as column blocks of 64 x 64
+  T* Ds = Qs + kKfStages * kChunk * K;           // [stage][64][V]
+  __half* PSs = reinterpret_cast<__half*>(Ds + kKfStages * kChunk * V);  // [K][K] as column blocks of K x 64
+  float2* Ls = reinterpret_cast<float2*>(PSs + K * K);                   // [stage][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(Ls + kKfStages * kChunk);
+  uint64_t* empty = full + kKfStages;
+  uint64_t* kv_full = empty + kKfStages;  // the tile's v (with its first Kt)
+  uint64_t* kt_full = kv_full + 1;
+  uint64_t* kt_empty = kt_full + 1;
+  uint64_t* ps_full = kt_empty + 1;
+  uint64_t* ps_empty = ps_full + 1;
+  constexpr int kWarps = kKfThreads / 32;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kKfStages; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], kWarps);
+    }
+    mbar_init(kv_full, 1);
+    mbar_init(kt_full, 1);
+    mbar_init(kt_empty, kWarps);
+    mbar_init(ps_full, 1);
+    mbar_init(ps_empty, kWarps);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
+  const float sl2 = p.scale * 1.4426950408889634f;
+  T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kKfKeys * K;
+  const int park_row0 = int(blockIdx.x) * mp.park_slots * kKfKeys;
+  // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
+  uint32_t n_q = 0;     // query items loaded (stage n_q % 3)
+  uint32_t n_kv = 0;    // tiles (kv_full)
+  uint32_t n_kt = 0;    // key-state loads (kt_full), and Kt releases (kt_empty) before each but a tile's first
+  uint32_t n_ps = 0;    // superblock-product loads
+
+  // Descriptor bases (>> 4 offsets per k-step added at the call): A = this warpgroup's 64 keys of Kt / Vt
+  // (K-major, column blocks 128 rows apart); B K-major: a query stage's 64-row blocks; B N-major: k-steps of
+  // 16 query rows within a block, blocks 64 rows apart.
+  const uint64_t ka = smem_desc_sw128(reinterpret_cast<const char*>(Kt) + wg * kChunk * 128, 16, 1024);
+  const uint64_t va = smem_desc_sw128(reinterpret_cast<const char*>(Vt) + wg * kChunk * 128, 16, 1024);
+  auto a_off = [](int kt) { return uint64_t(((kt / 4) * kKfKeys * 128 + (kt % 4) * 32) >> 4); };
+  auto k_off = [](int kt) { return uint64_t(((kt / 4) * kChunk * 128 + (kt % 4) * 32) >> 4); };
+  auto n_off = [](int kt) { return uint64_t((kt * 16 * 128) >> 4); };
+  auto stage_kmaj = [&](const T* base, uint32_t n) {
+    return smem_desc_sw128(base + (n % kKfStages) * kChunk * K, 16, 1024);
+  };
+  auto stage_nmaj = [&](const T* base, uint32_t n) {
+    return smem_desc_sw128(base + (n % kKfStages) * kChunk * K, kChunk * 128, 1024);
+  };
+
+  for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
+    const int h = it % p.H;
+    const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
+    const int kc = ch.c, sbk = kc / kSuperChunks;
+    const int last = (ch.len + kChunk - 1) / kChunk - 1, last_sb = last / kSuperChunks;
+    const int n1 = last_sb - sbk - 1;  // superblock crossings of pass 1 (and of pass 2)
+    const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokk0 = seq_tok0 + int64_t(kc) * kChunk;
+    // Query items of pass 2: superblocks last_sb .. sbk + 1, chunks from the last, heads of the group.
+    const int n_last = last - last_sb * kSuperChunks + 1;
+    const int nit = (n_last + kSuperChunks * (last_sb - sbk - 1)) * p.group;
+    auto sb_of = [&](int j) {
+      const int c = j / p.group;
+      return c < n_last ? last_sb : last_sb - 1 - (c - n_last) / kSuperChunks;
+    };
+    auto chunk_of = [&](int j) {
+      const int c = j / p.group;
+      return c < n_last ? last - c : (last_sb - 1 - (c - n_last) / kSuperChunks) * kSuperChunks + kSuperChunks - 1 -
+                                         (c - n_last) % kSuperChunks;
+    };
+    // Producer (thread 0): the superblock product of crossing i (pass 1: PS_{sbk+1+i}; pass 2: PS_{last_sb-1-(i-n1)}),
+    // once the previous one was released.
+    auto issue_ps = [&](int i) {
+      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
+      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
+      const int a = i < n1 ? sbk + 1 + i : last_sb - 1 - (i - n1);
+      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
+#pragma unroll 1
+      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+    };
+    // Producer: query item j (qhat, dO, scalars) into stage n_q + j.
+    auto issue_q = [&](int j) {
+      const uint32_t n = n_q + uint32_t(j);
+      const int st = int(n % kKfStages);
+      if (n >= kKfStages) mbar_wait(&empty[st], (n / kKfStages - 1) & 1);
+      mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2 + kChunk * 8));
+      const int qc = chunk_of(j), hq = h * p.group + j % p.group;
+      const int64_t t = ch.t0 + int64_t(qc) * kChunk;
+#pragma unroll 1
+      for (int b = 0; b < KB; ++b) {
+        tma_load(Qs + st * kChunk * K + b * kChunk * 64, &mp.qhat, 64 * b, hq, int(seq_tok0 + int64_t(qc) * kChunk),
+                 &full[st]);
+        tma_load(Ds + st * kChunk * V + b * kChunk * 64, &mp.dout, 64 * b, hq, int(t), int(ch.b), &full[st]);
+      }
+      bulk_load(Ls + st * kChunk, mp.lsd + (int64_t(hq) * p.nchunks + ch.first + qc) * kChunk, kChunk * 8, &full[st]);
+    };
+    // Producer: kt_a into Kt (from ks for a = sbk + 1, else from its parking slot), completing `bar`.
+    auto issue_kt = [&](int a, uint64_t* bar) {
+#pragma unroll 1
+      for (int b = 0; b < KB; ++b) {
+        if (a == sbk + 1) tma_load(Kt + b * kKfKeys * 64, &mp.ks, 64 * b, h, int(tokk0), bar);
+        else tma_load(Kt + b * kKfKeys * 64, &mp.park, 64 * b, park_row0 + (a - sbk - 2) * kKfKeys, bar);
+      }
+    };
+
+    __syncthreads();  // the previous tile is done with Kt, Vt and every warp's reads
+    if (threadIdx.x == 0) {
+      if (n1 > 0) issue_ps(0);
+      issue_q(0);  // item j + 1 is issued at item j (its stage was released at item j - 1)
+    }
+    // ---- pass 1: kt (this warp's 16 keys, fp32) from ks across superblocks sbk + 1 .. last_sb - 1.
+    if (n1 > 0) {
+      float kt[K / 8][4];
+      const T* ksp = static_cast<const T*>(p.ks);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const T* src = ksp + ((tokk0 + 16 * warp + g + 8 * hr) * p.H + h) * K;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          kt[nt][2 * hr] = to_f(src[8 * nt + 2 * t4]);
+          kt[nt][2 * hr + 1] = to_f(src[8 * nt + 2 * t4 + 1]);
+        }
+      }
+      for (int i = 0; i < n1; ++i) {
+        uint32_t ka16[K / 16][4];
+        pack_frags<__half, K / 16>(ka16, kt);
+        mbar_wait(ps_full, n_ps & 1);
+        fence_regs(ka16);
+        wg_fence();
+        // kt <- kt PS^T: B[k][n] = PS[n][k], PS's rows K-major.
+#pragma unroll
+        for (int s = 0; s < K / 16; ++s)
+          wg_rs<__half, 0>(kt, ka16[s],
+                           smem_desc_sw128(reinterpret_cast<const char*>(PSs) + (s / 4) * K * 128 + (s % 4) * 32, 16,
+                                           1024),
+                           s > 0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(kt);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ps_empty);
+        ++n_ps;
+        if (threadIdx.x == 0 && i + 1 < 2 * n1) issue_ps(i + 1);
+        store_tile<T, K>(park + size_t(i) * kKfKeys * K, K, kt);  // kt_{sbk+2+i}
+      }
+      // The parked states are read back by TMA (the async proxy).
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(kv_full, uint32_t(kKfKeys * (K + V) * 2));
+#pragma unroll 1
+      for (int b = 0; b < KB; ++b) tma_load(Vt + b * kKfKeys * 64, &mp.v, 64 * b, h, int(ch.t0 + int64_t(kc) * kChunk),
+                                            int(ch.b), kv_full);
+      issue_kt(last_sb, kv_full);
+    }
+
+    // ---- pass 2.
+    float s[8][4], dp[8][4], dv[V / 8][4], hk[K / 8][4];
+    uint32_t pa[4][4], dsa[4][4];
+    zero_acc(dv);
+    zero_acc(hk);
+    auto issue_sdp = [&](uint32_t n) {
+      const uint64_t qb = stage_kmaj(Qs, n), db = stage_kmaj(Ds, n);
+#pragma unroll
+      for (int kt = 0; kt < K / 16; ++kt) wg_ss<T, 0, 0>(s, ka + a_off(kt), qb + k_off(kt), kt > 0);
+#pragma unroll
+      for (int kt = 0; kt < V / 16; ++kt) wg_ss<T, 0, 0>(dp, va + a_off(kt), db + k_off(kt), kt > 0);
+      wg_commit();
+    };
+    auto issue_acc = [&](uint32_t n) {
+      const uint64_t dn = stage_nmaj(Ds, n), qn = stage_nmaj(Qs, n);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(dv, pa[kt], dn + n_off(kt));
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(hk, dsa[kt], qn + n_off(kt));
+      wg_commit();
+    };
+    auto pds = [&](uint32_t n) {  // P^T into s, scale dS^T into dp (columns are query rows)
+      const float2* l2 = Ls + (n % kKfStages) * kChunk;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 bd = l2[8 * nt + 2 * t4 + (e & 1)];
+          const float pr = fast_exp2(s[nt][e] * sl2 - bd.x);
+          s[nt][e] = pr;
+          dp[nt][e] = p.scale * pr * (dp[nt][e] - bd.y);
+        }
+    };
+    // h <- h PS_a: fp16 operands, each row scaled by a power of two into [-1, 1) first (gradients may lie far
+    // below fp16's range; the scaled row keeps fp16's relative precision, as tf32 would).
+    auto cross_h = [&]() {
+      float up[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float mx = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) mx = fmaxf(mx, fmaxf(fabsf(hk[nt][2 * hr]), fabsf(hk[nt][2 * hr + 1])));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        int e = 0;
+        frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
+        const float down = ldexpf(1.f, -e);
+        up[hr] = ldexpf(1.f, e);
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          hk[nt][2 * hr] *= down;
+          hk[nt][2 * hr + 1] *= down;
+        }
+      }
+      uint32_t ha[K / 16][4];
+      pack_frags<__half, K / 16>(ha, hk);
+      mbar_wait(ps_full, n_ps & 1);
+      fence_regs(ha);
+      wg_fence();
+#pragma unroll
+      for (int kt = 0; kt < K / 16; ++kt)
+        wg_rs<__half, 1>(hk, ha[kt], smem_desc_sw128(reinterpret_cast<const char*>(PSs) + kt * 16 * 128, K * 128, 1024),
+                         kt > 0);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(hk);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(ps_empty);
+      ++n_ps;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          hk[nt][2 * hr] *= up[hr];
+          hk[nt][2 * hr + 1] *= up[hr];
+        }
+    };
+    auto release_q = [&](uint32_t n) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[n % kKfStages]);
+    };
+
+    mbar_wait(kv_full, n_kv & 1);
+    ++n_kv;
+    for (int j = 0; j < nit; ++j) {
+      const uint32_t n = n_q + uint32_t(j);
+      const int a = sb_of(j);
+      const bool new_sb = j > 0 && a != sb_of(j - 1);
+      if (threadIdx.x == 0) {
+        if (j + 1 < nit) issue_q(j + 1);
+        if (new_sb) {  // kt_a into Kt once every warp is past its last scores of superblock a + 1
+          mbar_wait(kt_empty, n_kt & 1);
+          mbar_expect_tx(kt_full, uint32_t(kKfKeys * K * 2));
+          issue_kt(a, kt_full);
+        }
+      }
+      __syncwarp();
+      mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
+      if (j > 0) {  // dv, h of the previous item
+        fence_regs(dv);
+        fence_regs(hk);
+        fence_regs(pa);
+        fence_regs(dsa);
+        wg_fence();
+        issue_acc(n - 1);
+        wg_wait<0>();
+        fence_regs(dv);
+        fence_regs(hk);
+        release_q(n - 1);
+      }
+      if (new_sb) {
+        cross_h();  // h <- h PS_a (pass 2's crossing n1 + (last_sb - 1 - a))
+        if (threadIdx.x == 0 && a > sbk + 1) issue_ps(n1 + (last_sb - 1 - a) + 1);
+        mbar_wait(kt_full, n_kt & 1);
+        ++n_kt;
+      }
+      fence_regs(s);
+      fence_regs(dp);
+      wg_fence();
+      issue_sdp(n);
+      wg_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+      if (j + 1 < nit && sb_of(j + 1) != a) {  // this warp's last read of kt_a
+        __syncwarp();
+        if (lane == 0) mbar_arrive(kt_empty);
+      }
+      pds(n);
+      pack_frags<T, 4>(pa, s);
+      pack_frags<T, 4>(dsa, dp);
+    }
+    fence_regs(dv);
+    fence_regs(hk);
+    fence_regs(pa);
+    fence_regs(dsa);
+    wg_fence();
+    issue_acc(n_q + uint32_t(nit) - 1);
+    wg_wait<0>();
+    fence_regs(dv);
+    fence_regs(hk);
+    release_q(n_q + uint32_t(nit) - 1);
+    n_q += uint32_t(nit);
+    // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t row = (tokk0 + 16 * warp + g + 8 * hr) * p.H + h;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) {
+        *reinterpret_cast<float2*>(p.dks + row * K + 8 * nt + 2 * t4) = make_float2(hk[nt][2 * hr], hk[nt][2 * hr + 1]);
+        *reinterpret_cast<float2*>(p.dvk + row * V + 8 * nt + 2 * t4) = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+      }
+    }
+  }
+#endif
+}
+
+// lsd[hq][ci][r] = (lse * log2(e), delta) of query row r of chunk ci, head hq; (+inf, 0) past the sequence, so
+// that P = 0 there. One CTA of 64 threads per (chunk, query head).
+__global__ void build_lsd_kernel(const KernelParams p, float2* lsd) {
+  const int ci = int(blockIdx.x / p.HQ), hq = int(blockIdx.x % p.HQ), r = threadIdx.x;
+  const ChunkDesc ch = p.chunks[ci];
+  const int64_t pos = ch.t0 + int64_t(ch.c) * kChunk + r, tok = ch.b * p.T + pos;
+  float2 v = make_float2(INFINITY, 0.f);
+  if (ch.c * kChunk + r < ch.len)
+    v = make_float2(p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * 1.4426950408889634f,
+                    p.delta[tok * p.HQ + hq]);
+  lsd[(int64_t(hq) * p.nchunks + ci) * kChunk + r] = v;
+}
+
+template <typename T, int K>
+cudaError_t far_t(const KernelParams& p, const KfMaps& mp, int nitems, int grid, cudaStream_t s) {
+  return launch_with_smem(bwd_k_far_kernel<T, K>, dim3(unsigned(grid)), kKfThreads, KfSmem<K>::bytes, s, p, mp,
+                          nitems);
+}
+
+}  // namespace
+
+bool bwd_k_far_usable(const KernelParams& p) {
+  if (!p.path || p.gate || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
+  // TMA wants 16-byte aligned bases and strides.
+  for (const void* base : {p.v, p.dout})
+    if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0 || (p.do_s[d] * 2) % 16 != 0 || p.do_s[d] <= 0) return false;
+  if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
+  return far_device_ok(KfSmem<128>::bytes);
+}
+
+int bwd_k_far_grid(int ntiles, int H) {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 0;
+  return int(std::min<int64_t>(int64_t(ntiles) * H, sms));
+}
+
+size_t bwd_k_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kKfKeys * K; }
+
+cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
+                             int grid, int dtype, cudaStream_t s) {
+  if (ntiles == 0) return cudaSuccess;
+  build_lsd_kernel<<<unsigned(int64_t(p.nchunks) * p.HQ), kChunk, 0, s>>>(p, lsd);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  KfMaps mp{};
+  mp.tiles = tiles;
+  mp.lsd = lsd;
+  mp.park_slots = park_slots;
+  const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), HQ = cuuint64_t(p.HQ), K = cuuint64_t(p.K),
+                   V = cuuint64_t(p.V);
+  {
+    const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
+    if (!encode_tiles(&mp.ks, dt, p.ks, 3, dims, strides, 2, kKfKeys)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
+    const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
+    if (!encode_tiles(&mp.v, dt, p.v, 4, dims, strides, 2, kKfKeys)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[2] = {K, cuuint64_t(grid) * park_slots * kKfKeys}, strides[1] = {K * 2};
+    if (!encode_tiles(&mp.park, dt, p.scratch, 2, dims, strides, 1, kKfKeys)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[3] = {K, HQ, NT}, strides[2] = {K * 2, HQ * K * 2};
+    if (!encode_tiles(&mp.qhat, dt, p.qhat, 3, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[4] = {V, HQ, cuuint64_t(p.T), cuuint64_t(p.B)};
+    const cuuint64_t strides[3] = {cuuint64_t(p.do_s[2]) * 2, cuuint64_t(p.do_s[1]) * 2, cuuint64_t(p.do_s[0]) * 2};
+    if (!encode_tiles(&mp.dout, dt, p.dout, 4, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
+    if (!encode_tiles(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
+      return cudaErrorInvalidValue;
+  }
+  const int nitems = ntiles * p.H;
+  if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);
+  return p.K == 64 ? far_t<__nv_bfloat16, 64>(p, mp, nitems, grid, s)
+                   : far_t<__nv_bfloat16, 128>(p, mp, nitems, grid, s);
+}
+
+}  // namespace pathattn::cuda

@@ -1,0 +1,41 @@
+// cuda/tensor_map.h: host side of the TMA tiles of the Hopper far kernels (fwd_far.cu, bwd_k_far.cu): tensor
+// maps encoded through the driver's cuTensorMapEncodeTiled, which the runtime looks up (no link against the
+// driver library), and the per-device check that this build and device run those kernels.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+namespace pathattn::cuda {
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded; null when the driver lacks it.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+        qr != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A tensor map over a 16-bit tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes of 64 elements
+// (128 bytes, 128-byte swizzle) by box_rows along dimension `row_dim` (1 elsewhere).
+inline bool encode_tiles(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
+                         const cuuint64_t* strides, int row_dim, int box_rows) {
+  cuuint32_t box[4] = {64, 1, 1, 1}, estr[4] = {1, 1, 1, 1};
+  box[row_dim] = cuuint32_t(box_rows);
+  return tensor_map_encoder()(map, dt, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, estr,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// This build has sm_90a device code, the current device is a Hopper part with `smem` bytes of shared memory a
+// block, and the driver encodes tensor maps (cached per device; PATHATTN_CUDA_FAR=0 in the environment says
+// no). Defined in fwd_far.cu.
+bool far_device_ok(size_t smem);
+
+}  // namespace pathattn::cuda
