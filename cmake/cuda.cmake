@@ -19,6 +19,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/fwd.cu
   src/cuda/fwd_far.cu
   src/cuda/bwd_q.cu
+  src/cuda/bwd_q_far.cu
   src/cuda/bwd_k.cu
   src/cuda/bwd_k_far.cu
   src/cuda/bwd_chunk.cu
@@ -28,8 +29,8 @@ add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
 set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
 target_include_directories(pathattn_cuda PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
 target_compile_options(pathattn_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3 --expt-relaxed-constexpr>)
-# The far kernels (fwd_far.cu, bwd_k_far.cu) have a body only in an sm_90a device pass; the host side runs them only when one is built
-# (an sm_90 binary without the "a" features would hold an empty kernel).
+# The far kernels (fwd_far.cu, bwd_q_far.cu, bwd_k_far.cu) have a body only in an sm_90a device pass; the host
+# side runs them only when one is built (an sm_90 binary without the "a" features would hold empty kernels).
 if(PATHATTN_CUDA_GENCODE MATCHES "code=sm_90a")
   target_compile_definitions(pathattn_cuda PRIVATE PATHATTN_CUDA_SM90A_CODE)
 endif()

@@ -124,22 +124,6 @@ __global__ void __launch_bounds__(128) bq16_kernel(Args a) {
   store_gq(a.gq + (row0 + 16 * warp) * K, gq);
 }
 
-// A warp's 16 rows x (16 KT) of a row-major 16-bit matrix (row0 = its first row, ld elements) as KT m16n8k16
-// A fragments, straight from global memory (two elements per 32-bit load).
-template <int KT>
-__device__ __forceinline__ void load_frags(uint32_t (&f)[KT][4], const T* row0, int ld) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const uint32_t* r0 = reinterpret_cast<const uint32_t*>(row0 + size_t(g) * ld);
-  const uint32_t* r1 = reinterpret_cast<const uint32_t*>(row0 + size_t(g + 8) * ld);
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    f[kt][0] = r0[8 * kt + t];
-    f[kt][1] = r1[8 * kt + t];
-    f[kt][2] = r0[8 * kt + 4 + t];
-    f[kt][3] = r1[8 * kt + 4 + t];
-  }
-}
-
 // bqw: two warpgroups on wgmma, TMA tiles.
 constexpr size_t kBqwSmem = 1024 + size_t(kStages) * kChunk * (K + V) * sizeof(T) + 2 * kStages * sizeof(uint64_t);
 
@@ -162,8 +146,8 @@ __global__ void __launch_bounds__(256, 1) bqw_kernel(const __grid_constant__ Arg
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const size_t row0 = size_t(head) * kRows + size_t(tile) * kTile + 16 * warp;
   uint32_t qa[K / 16][4], da[V / 16][4];
-  load_frags(qa, a.q + row0 * K, K);
-  load_frags(da, a.dO + row0 * V, V);
+  load_frags<T>(qa, a.q + row0 * K, K);
+  load_frags<T>(da, a.dO + row0 * V, V);
   const float lse2[2] = {a.lse2[row0 + g], a.lse2[row0 + g + 8]};
   const float dl[2] = {a.delta[row0 + g], a.delta[row0 + g + 8]};
 

@@ -135,6 +135,21 @@ Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core:
 
 int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
 
+// The far kernels (fwd_far.cu, bwd_q_far.cu, bwd_k_far.cu) run only when some sequence has more than two
+// superblocks: with at most one far superblock per query the split costs more than it saves (BENCH.md shapes at
+// T = 1k, K = 128: forward 3.86 -> 4.28 ms; forward+backward at the default limit 22.24 -> 22.71 ms with the
+// key side's: its extra launches per one-head slice).
+bool far_worth_it(const KernelParams& kp, const Tables& t) { return kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks; }
+
+// Query tiles of the far kernels: two query chunks (an even chunk and the next) past their sequence's superblock
+// 0, most work first (in the scans' order).
+std::vector<int32_t> far_query_tiles(const Tables& t) {
+  std::vector<int32_t> tiles;
+  for (const int32_t i : t.order)
+    if (t.chunks[size_t(i)].c >= kSuperChunks && t.chunks[size_t(i)].c % 2 == 0) tiles.push_back(i);
+  return tiles;
+}
+
 // Per-kernel timing for kernel work (PATHATTN_CUDA_PROFILE=1 in the environment): events between launches,
 // printed to stderr after a synchronize. Off by default: no events, no synchronization.
 class Profile {
@@ -190,14 +205,9 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
   PA_TRY(alloc_super(ws, kp, t, pr));
-  // The far part on Hopper (fwd_far.cu), where this build, the device and the call's shapes allow it: tiles of
-  // two query chunks (an even chunk and the next) past their sequence's superblock 0, most work first (in the
-  // scan's order). Only when some sequence has more than two superblocks: with at most one far superblock per
-  // query the split costs more than it saves (BENCH.md shapes at T = 1k, forward 3.86 -> 4.28 ms at K = 128).
+  // The far part on Hopper (fwd_far.cu), where this build, the device and the call's shapes allow it.
   std::vector<int32_t> far_tiles;
-  if (kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks && fwd_far_usable(kp))
-    for (const int32_t i : t.order)
-      if (t.chunks[size_t(i)].c >= kSuperChunks && t.chunks[size_t(i)].c % 2 == 0) far_tiles.push_back(i);
+  if (far_worth_it(kp, t) && fwd_far_usable(kp)) far_tiles = far_query_tiles(t);
   int32_t* far_dev = nullptr;
   if (!far_tiles.empty()) {
     const size_t NT = size_t(pr.B) * pr.T;
@@ -304,29 +314,39 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
   kp.scratch_slots = scratch_slot_count(kp.max_chunks, pr.path);
   size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
-  // The key side's far part on Hopper (bwd_k_far.cu), where this build, the device and the call allow it: tiles
-  // of a superblock pair's two chunks whose sequence goes on past their superblock, lowest chunk (most work)
-  // first. Its parked key states take the scratch too (it runs between bwd_q and bwd_k). As in the forward,
-  // only when some sequence has more than two superblocks (K = 128, T = 1k, f+b at the default limit: 22.24 ->
-  // 22.71 ms with it: its two extra launches per one-head slice cost more than the far keys save).
-  std::vector<int32_t> kfar_tiles;
-  int park_slots = 1, kfar_grid = 0;
-  if (kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks && bwd_k_far_usable(kp)) {
+  // The far parts on Hopper (bwd_q_far.cu, bwd_k_far.cu), where this build, the device and the call allow them.
+  // Their parked states take the scratch too (they run between the scans, one at a time). Query side: tiles as
+  // the forward's; key side: tiles of a superblock pair's two chunks whose sequence goes on past their
+  // superblock, lowest chunk (most work) first.
+  std::vector<int32_t> qfar_tiles, kfar_tiles;
+  int qpark = 1, kpark = 1, qfar_grid = 0, kfar_grid = 0;
+  if (far_worth_it(kp, t) && bwd_q_far_usable(kp)) {
+    qfar_tiles = far_query_tiles(t);
+    for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kSuperChunks);
+  }
+  if (far_worth_it(kp, t) && bwd_k_far_usable(kp)) {
     for (auto i = t.order.rbegin(); i != t.order.rend(); ++i) {
       const ChunkDesc& c = t.chunks[size_t(*i)];
       const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kSuperChunks, sbk = c.c / kSuperChunks;
       if (c.c % 2 != 0 || last_sb <= sbk) continue;
       kfar_tiles.push_back(*i);
-      park_slots = std::max(park_slots, last_sb - sbk - 1);
+      kpark = std::max(kpark, last_sb - sbk - 1);
     }
   }
-  int32_t* kfar_dev = nullptr;
+  int32_t *qfar_dev = nullptr, *kfar_dev = nullptr;
+  if (!qfar_tiles.empty()) {
+    qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
+    if (qfar_grid <= 0) return internal("cuda: no SM count for the query side's far kernel");
+    scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qfar_grid, qpark, int(K)));
+    PA_CU(ws.alloc(&qfar_dev, qfar_tiles.size()));
+    PA_CU(ws.upload(qfar_dev, qfar_tiles.data(), qfar_tiles.size() * sizeof(int32_t)));
+  }
   float2* lsd = nullptr;
   bool zero_qhat = false;
   if (!kfar_tiles.empty()) {
-    kfar_grid = bwd_k_far_grid(int(kfar_tiles.size()), int(H));
+    kfar_grid = far_grid(int64_t(kfar_tiles.size()) * int64_t(H));
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
-    scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, park_slots, int(K)));
+    scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, kpark, int(K)));
     PA_CU(ws.alloc(&kfar_dev, kfar_tiles.size()));
     PA_CU(ws.upload(kfar_dev, kfar_tiles.data(), kfar_tiles.size() * sizeof(int32_t)));
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
@@ -345,10 +365,19 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("gate+chunk_prep+delta");
   PA_CU(launch_super_prep(kp, dt, s));
   prof.mark("super_prep");
+  if (!qfar_tiles.empty()) {  // qhat, the far superblocks, then the own superblock's part
+    KernelParams k1 = kp;
+    k1.qfar = 1;
+    PA_CU(launch_bwd_q(k1, dt, gq, q_items, s));
+    prof.mark("bwd_q(qhat)");
+    PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, dt, s));
+    prof.mark("bwd_q_far");
+    kp.qfar = 2;
+  }
   PA_CU(launch_bwd_q(kp, dt, gq, q_items, s));
   prof.mark("bwd_q");
   if (!kfar_tiles.empty()) {
-    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, park_slots, kfar_grid, dt, s));
+    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, dt, s));
     prof.mark("bwd_k_far");
     kp.kfar = true;
   }

@@ -177,21 +177,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
       }
       for (int i = 0; i < n1; ++i) {
-        uint32_t ka16[K / 16][4];
-        pack_frags<__half, K / 16>(ka16, kt);
         mbar_wait(ps_full, n_ps & 1);
-        fence_regs(ka16);
-        wg_fence();
-        // kt <- kt PS^T: B[k][n] = PS[n][k], PS's rows K-major.
-#pragma unroll
-        for (int s = 0; s < K / 16; ++s)
-          wg_rs<__half, 0>(kt, ka16[s],
-                           smem_desc_sw128(reinterpret_cast<const char*>(PSs) + (s / 4) * K * 128 + (s % 4) * 32, 16,
-                                           1024),
-                           s > 0);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(kt);
+        ps_product<K, true, false>(kt, PSs);  // kt <- kt PS^T
         __syncwarp();
         if (lane == 0) mbar_arrive(ps_empty);
         ++n_ps;
@@ -243,49 +230,13 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           dp[nt][e] = p.scale * pr * (dp[nt][e] - bd.y);
         }
     };
-    // h <- h PS_a: fp16 operands, each row scaled by a power of two into [-1, 1) first (gradients may lie far
-    // below fp16's range; the scaled row keeps fp16's relative precision, as tf32 would).
+    // h <- h PS_a, each row of h scaled into fp16's range first (gradients may lie far below it).
     auto cross_h = [&]() {
-      float up[2];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float mx = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt) mx = fmaxf(mx, fmaxf(fabsf(hk[nt][2 * hr]), fabsf(hk[nt][2 * hr + 1])));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        int e = 0;
-        frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
-        const float down = ldexpf(1.f, -e);
-        up[hr] = ldexpf(1.f, e);
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt) {
-          hk[nt][2 * hr] *= down;
-          hk[nt][2 * hr + 1] *= down;
-        }
-      }
-      uint32_t ha[K / 16][4];
-      pack_frags<__half, K / 16>(ha, hk);
       mbar_wait(ps_full, n_ps & 1);
-      fence_regs(ha);
-      wg_fence();
-#pragma unroll
-      for (int kt = 0; kt < K / 16; ++kt)
-        wg_rs<__half, 1>(hk, ha[kt], smem_desc_sw128(reinterpret_cast<const char*>(PSs) + kt * 16 * 128, K * 128, 1024),
-                         kt > 0);
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(hk);
+      ps_product<K, false, true>(hk, PSs);
       __syncwarp();
       if (lane == 0) mbar_arrive(ps_empty);
       ++n_ps;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt) {
-          hk[nt][2 * hr] *= up[hr];
-          hk[nt][2 * hr + 1] *= up[hr];
-        }
     };
     auto release_q = [&](uint32_t n) {
       __syncwarp();
@@ -398,12 +349,6 @@ bool bwd_k_far_usable(const KernelParams& p) {
   return far_device_ok(KfSmem<128>::bytes);
 }
 
-int bwd_k_far_grid(int ntiles, int H) {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 0;
-  return int(std::min<int64_t>(int64_t(ntiles) * H, sms));
-}
 
 size_t bwd_k_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kKfKeys * K; }
 

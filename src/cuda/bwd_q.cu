@@ -8,6 +8,8 @@
 //          dPS_sb += qt_sb^T gbar, plus scale dS ks for the superblock's keys (moved to its end); then over
 //          the own superblock's chunks, dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T, plus scale dS k~;
 //          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
+// With p.qfar (bwd_q_far.cu does the far superblocks on Hopper) it runs twice: qfar = 1 writes qhat and stops;
+// qfar = 2 (after bwd_q_far) parks only the own superblock's states and starts pass 2's chain there from dqt.
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 atomics, or,
 // in deterministic mode, plain adds in the order of the items (a ticket per sum: an item waits until every
 // earlier item adding into the same sum has added; the grid is persistent and takes items in order, so the
@@ -104,6 +106,7 @@ struct BwdQ {
     // the queries at their superblock's start, and qt_sb at the end of each earlier superblock sb into
     // slot kSuperChunks + sb (scratch_slot_count).
     const int sbq = qc / kSuperChunks, first = p.path ? sbq * kSuperChunks : 0;
+    if (p.qfar == 1 && first == 0) return;  // qhat only: none here
     {
       float qt[K / 8][4];
 #pragma unroll
@@ -119,7 +122,7 @@ struct BwdQ {
       }
       auto park = [&](int slot) { store_tile<__half, K>(scratch + size_t(slot) * kChunk * K, K, qt); };
       for (int kc = qc - 1; kc >= first; --kc) {
-        park(kc - first);
+        if (p.qfar != 1) park(kc - first);
         if (kc == 0) break;
         const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
         __syncthreads();
@@ -133,7 +136,7 @@ struct BwdQ {
         warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
         warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
       }
-      if (first > 0) {
+      if (first > 0 && p.qfar != 2) {
         T* qh = static_cast<T*>(p.qhat);
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
@@ -143,7 +146,7 @@ struct BwdQ {
           for (int nt = 0; nt < K / 8; ++nt)
             *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = Pack2<T>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
         }
-        for (int sb = sbq - 1; sb >= 0; --sb) {
+        for (int sb = sbq - 1; sb >= 0 && p.qfar == 0; --sb) {
           park(kSuperChunks + sb);
           if (sb == 0) break;
           __syncthreads();
@@ -162,6 +165,7 @@ struct BwdQ {
         }
       }
     }
+    if (p.qfar == 1) return;  // qhat written
     // ---- per-row data and the diagonal chunk.
     __syncthreads();
     load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + posq0 * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nq);
@@ -332,7 +336,18 @@ struct BwdQ {
       load_tile_async<V>(Vb, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
       for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gb[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
     };
-    if (first > 0) {
+    if (first > 0 && p.qfar == 2) {  // the far superblocks' part from bwd_q_far: gbar at the own superblock's start
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float* src = p.dqt + ((tokq0 + rr[hr]) * p.HQ + hq) * K;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          const float2 x = rr[hr] < nq ? *reinterpret_cast<const float2*>(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+          gq[nt][2 * hr] = x.x;
+          gq[nt][2 * hr + 1] = x.y;
+        }
+      }
+    } else if (first > 0) {
       const T* ksp = static_cast<const T*>(p.ks);
       float* dPSbase = p.dps + (int64_t(ch.sfirst) * p.H + h) * K * K;
       for (int sb = 0; sb < sbq; ++sb) {

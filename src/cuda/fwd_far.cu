@@ -8,6 +8,7 @@
 // each), 128-key chunks in 128-byte swizzled tiles loaded by TMA (one thread issues them) into three stages
 // with full / empty mbarriers, S = q k~^T and P V on wgmma with the scores of a chunk issued together with
 // P V of the previous one. The superblock product goes through a fourth tile with its own barriers.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -311,6 +312,13 @@ bool far_device_ok(size_t smem) {
     cache[dev].store(ok ? 1 : 2);
   }
   return cache[dev] == 1 && size_t(optin[dev].load()) >= smem;
+}
+
+int far_grid(int64_t items) {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 0;
+  return int(std::min<int64_t>(items, sms));
 }
 
 bool fwd_far_usable(const KernelParams& p) {

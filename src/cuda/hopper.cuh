@@ -144,6 +144,80 @@ __device__ __forceinline__ void pack_frags(uint32_t (&a)[KT][4], const float (&s
   }
 }
 
+// A warp's 16 rows x (16 KT) columns of a row-major 16-bit matrix (row0 = its first row, ld elements apart) as
+// KT k-steps of m16n8k16 A fragments, straight from global memory (two elements a 32-bit load); rows from
+// `valid` on read as zeros. Each lane reads the elements store_tile (common.cuh) writes from the same lane's
+// C-layout registers.
+template <typename E, int KT>
+__device__ __forceinline__ void load_frags(uint32_t (&f)[KT][4], const E* row0, int64_t ld, int valid = 16) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t* r0 = reinterpret_cast<const uint32_t*>(row0 + g * ld);
+  const uint32_t* r1 = reinterpret_cast<const uint32_t*>(row0 + (g + 8) * ld);
+  const bool ok0 = g < valid, ok1 = g + 8 < valid;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    f[kt][0] = ok0 ? r0[8 * kt + t] : 0u;
+    f[kt][1] = ok1 ? r1[8 * kt + t] : 0u;
+    f[kt][2] = ok0 ? r0[8 * kt + 4 + t] : 0u;
+    f[kt][3] = ok1 ? r1[8 * kt + 4 + t] : 0u;
+  }
+}
+
+// x <- x PS (kTransposed: x PS^T) for a warpgroup's 64 x K fp32 tile (this warp's 16 rows, C layout) and a K x K
+// fp16 product PS in shared memory as TMA writes it (column blocks of K rows x 64, 128-byte swizzle): fp16
+// operands, fp32 accumulation. kRowScale first scales each row by a power of two into [-1, 1) and back after
+// (operands that may lie far below fp16's range, such as gradients, keep fp16's relative precision, as tf32
+// would). The caller waits for PS to land before and releases it after.
+template <int K, bool kTransposed, bool kRowScale>
+__device__ __forceinline__ void ps_product(float (&x)[K / 8][4], const __half* PSs) {
+  float up[2] = {1.f, 1.f};
+  if constexpr (kRowScale) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mx = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) mx = fmaxf(mx, fmaxf(fabsf(x[nt][2 * hr]), fabsf(x[nt][2 * hr + 1])));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      int e = 0;
+      frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
+      const float down = ldexpf(1.f, -e);
+      up[hr] = ldexpf(1.f, e);
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) {
+        x[nt][2 * hr] *= down;
+        x[nt][2 * hr + 1] *= down;
+      }
+    }
+  }
+  uint32_t a[K / 16][4];
+  pack_frags<__half, K / 16>(a, x);
+  fence_regs(a);
+  wg_fence();
+  const char* base = reinterpret_cast<const char*>(PSs);
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt) {
+    // x PS: B[k][n] = PS[k][n], N-major (k-steps of 16 rows, column blocks K rows apart); x PS^T: B[k][n] =
+    // PS[n][k], K-major (k-steps of 32 bytes within a column block).
+    const uint64_t db = kTransposed ? smem_desc_sw128(base + (kt / 4) * K * 128 + (kt % 4) * 32, 16, 1024)
+                                    : smem_desc_sw128(base + kt * 16 * 128, K * 128, 1024);
+    if constexpr (kTransposed) wg_rs<__half, 0>(x, a[kt], db, kt > 0);
+    else wg_rs<__half, 1>(x, a[kt], db, kt > 0);
+  }
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(x);
+  if constexpr (kRowScale) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) {
+        x[nt][2 * hr] *= up[hr];
+        x[nt][2 * hr + 1] *= up[hr];
+      }
+  }
+}
+
 // ---- mbarriers and TMA.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 #ifdef PA_SM90A

@@ -97,6 +97,8 @@ struct KernelParams {
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
   float* sscr;      // [grid, kSuperChunks, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
   bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
+  int qfar;         // the query side split around bwd_q_far: 0 no split; 1 bwd_q writes qhat only; 2 bwd_q runs
+                    // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool deterministic;
   int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
                     // query side's next item (zeroed)

@@ -309,10 +309,11 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
   unsetenv("PATHATTN_CUDA_FAR");
 }
 
-// The key side's far part (bwd_k_far on Hopper, else bwd_k alone) against the oracle, both ways: GQA, rows past a
-// sequence's end in its last chunk (T % 64 != 0: the next batch row's or sequence's rows in the query tiles),
-// varlen with an empty sequence, one to four superblocks crossed, beta = 2 and near 2.
-TEST(CudaBackend, BackwardKeyFarAndWhole) {
+// The backward's far parts (bwd_q_far and bwd_k_far on Hopper, else the scans alone) against the oracle, both
+// ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's or sequence's rows
+// in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to four superblocks
+// crossed, beta = 2 and near 2.
+TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
   for (const char* far : {"0", "1"}) {
     setenv("PATHATTN_CUDA_FAR", far, 1);

@@ -1,0 +1,390 @@
+// cuda/bwd_q_far.cu: the query side's far part of the backward on Hopper (sm_90a). For a query tile (the two
+// chunks of a superblock pair S >= 1, 128 rows, one warpgroup each) of a query head, the keys of every earlier
+// superblock sb meet the queries moved to sb's end, qt_sb = qhat PS_{S-1} ... PS_{sb+1} (qhat: the queries at
+// their superblock's start, from bwd_q's first launch), with ks (the keys moved to their superblock's end).
+// Per tile:
+//   pass 1 (right to left) carries qt from qhat across the earlier superblocks (qt <- qt PS_sb, fp16 operands
+//          as bwd_q), parking each state (in the input type) in this CTA's scratch;
+//   pass 2 (left to right) runs, per earlier superblock sb, dev/cuda/far_bwd.cu's bqw loop (qt_sb and dO as
+//          register fragments, 64-key chunks of ks and v by TMA; S = qt_sb ks^T and dP = dO v^T of chunk c
+//          issued with gbar += scale dS ks of chunk c - 1), and before it, for sb > 0, the crossing
+//          dPS_sb += qt_sb^T gbar (a wgmma over the tile's rows: qt_sb by TMA from the parking, gbar staged
+//          in the input type with a power-of-two scale for the tile; fp32 atomics into dps) and
+//          gbar <- gbar PS_sb^T (fp16 operands, each row scaled into range first).
+// gbar at the end is the gradient w.r.t. qhat: written to dqt, where bwd_q's last launch (p.qfar == 2) starts
+// its own superblock's chain from it. Not for the gate, nor in deterministic mode (dPS by atomics here).
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/hopper.cuh"
+#include "cuda/launchers.h"
+#include "cuda/tensor_map.h"
+
+namespace pathattn::cuda {
+namespace {
+
+constexpr int kQfThreads = 256;  // two warpgroups
+constexpr int kQfRows = 128;     // query rows per tile: the two chunks of a superblock pair
+constexpr int kQfStages = 3;     // key chunks c - 1, c, c + 1
+
+struct QfMaps {
+  CUtensorMap ks;    // [NT][H][K]: boxes of 64 columns x 64 keys
+  CUtensorMap v;     // [B][T][H][V] with v's strides: the same boxes
+  CUtensorMap park;  // [rows][K] this call's parked query states (kp.scratch): 64 columns x 128 rows
+  CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
+  const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
+  int park_slots;        // parked states per CTA (128 x K each)
+};
+
+template <int K>
+struct QfSmem {
+  static constexpr size_t kv = size_t(kChunk) * K * 2, tile = size_t(kQfRows) * K * 2;
+  // Stages of ks / v chunks, the superblock product (fp16), qt_sb and the staged gbar, a reduction, barriers.
+  static constexpr size_t bytes = 1024 + kQfStages * 2 * kv + size_t(K) * K * 2 + 2 * tile + 8 * 4 + 8 * 16;
+};
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_constant__ KernelParams p,
+                                                                  const __grid_constant__ QfMaps mp, int nitems) {
+#ifdef PA_SM90A
+  constexpr int V = K, KB = K / 64;  // 64-column blocks of a row
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* Ks = reinterpret_cast<T*>(align1k(smem));  // [stage][64 keys][K] as column blocks of 64 x 64
+  T* Vs = Ks + kQfStages * kChunk * K;
+  __half* PSs = reinterpret_cast<__half*>(Vs + kQfStages * kChunk * V);  // [K][K] as column blocks of K x 64
+  T* Qt = reinterpret_cast<T*>(PSs + K * K);  // [128 rows][K] as column blocks of 128 x 64
+  T* Gs = Qt + kQfRows * K;                   // [128 rows][K] likewise (gbar, scaled)
+  float* red = reinterpret_cast<float*>(Gs + kQfRows * K);
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + 8);
+  uint64_t* empty = full + kQfStages;
+  uint64_t* ps_full = empty + kQfStages;
+  uint64_t* ps_empty = ps_full + 1;
+  uint64_t* qt_full = ps_empty + 1;
+  constexpr int kWarps = kQfThreads / 32;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kQfStages; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], kWarps);
+    }
+    mbar_init(ps_full, 1);
+    mbar_init(ps_empty, kWarps);
+    mbar_init(qt_full, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
+  const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};  // rows within the warpgroup's chunk
+  const float LOG2E = 1.4426950408889634f, sl2 = p.scale * LOG2E;
+  T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kQfRows * K;
+  const int park_row0 = int(blockIdx.x) * mp.park_slots * kQfRows;
+  // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
+  uint32_t n_c = 0;   // key chunks loaded (stage n_c % 3)
+  uint32_t n_ps = 0;  // superblock-product loads
+  uint32_t n_qt = 0;  // qt_sb tile loads
+
+  for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
+    const int hq = it % p.HQ, h = hq / p.group;
+    const ChunkDesc ch = p.chunks[mp.tiles[it / p.HQ]];
+    const int S = ch.c / kSuperChunks, n1 = S - 1;  // earlier superblocks; crossings of each pass
+    const int qc = ch.c + wg, nq = max(0, min(kChunk, ch.len - qc * kChunk));
+    const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
+    const int nfc = S * kSuperChunks;  // far key chunks, the sequence's chunks 0 .. nfc - 1
+    auto issue_ps = [&](int i) {  // thread 0: crossing i's product (pass 1: PS_{S-1-i}; pass 2: PS_{1+i-n1})
+      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
+      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
+      const int a = i < n1 ? S - 1 - i : 1 + (i - n1);
+      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
+#pragma unroll 1
+      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+    };
+    auto issue_c = [&](int c) {  // thread 0: key chunk c's ks and v into stage n_c + c
+      const uint32_t n = n_c + uint32_t(c);
+      const int st = int(n % kQfStages);
+      if (n >= kQfStages) mbar_wait(&empty[st], (n / kQfStages - 1) & 1);
+      mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2));
+#pragma unroll 1
+      for (int b = 0; b < KB; ++b) {
+        tma_load(Ks + st * kChunk * K + b * kChunk * 64, &mp.ks, 64 * b, h, int(seq_tok0 + int64_t(c) * kChunk),
+                 &full[st]);
+        tma_load(Vs + st * kChunk * V + b * kChunk * 64, &mp.v, 64 * b, h, int(ch.t0 + int64_t(c) * kChunk),
+                 int(ch.b), &full[st]);
+      }
+    };
+    auto issue_qt = [&](int sb) {  // thread 0: the parked qt_sb into Qt
+      mbar_expect_tx(qt_full, uint32_t(kQfRows * K * 2));
+#pragma unroll 1
+      for (int b = 0; b < KB; ++b) tma_load(Qt + b * kQfRows * 64, &mp.park, 64 * b, park_row0 + sb * kQfRows, qt_full);
+    };
+    auto release_c = [&](uint32_t n) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[n % kQfStages]);
+    };
+
+    __syncthreads();  // the previous tile is done with Qt, Gs and the parking
+    if (threadIdx.x == 0 && n1 > 0) issue_ps(0);
+    // ---- pass 1: qt (this warp's 16 rows, fp32; zero past the sequence) from qhat, parked for sb = S-1 .. 0.
+    {
+      float qt[K / 8][4];
+      const T* qh = static_cast<const T*>(p.qhat);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const bool ok = rr[hr] < nq;
+        const T* src = qh + ((tokq0 + rr[hr]) * p.HQ + hq) * K;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          qt[nt][2 * hr] = ok ? to_f(src[8 * nt + 2 * t4]) : 0.f;
+          qt[nt][2 * hr + 1] = ok ? to_f(src[8 * nt + 2 * t4 + 1]) : 0.f;
+        }
+      }
+      for (int i = 0;; ++i) {
+        store_tile<T, K>(park + size_t(S - 1 - i) * kQfRows * K, K, qt);  // qt_{S-1-i}
+        if (i == n1) break;
+        mbar_wait(ps_full, n_ps & 1);
+        ps_product<K, false, false>(qt, PSs);  // qt <- qt PS_{S-1-i}
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ps_empty);
+        ++n_ps;
+        if (threadIdx.x == 0) issue_ps(i + 1);  // i + 1 < 2 n1
+      }
+      // The parked states are read back by TMA (the async proxy).
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      issue_c(0);
+      if (S > 1) issue_qt(1);
+    }
+
+    // ---- pass 2. Per-row data of this warp's rows: dO fragments, the exponent's bias lse (base 2; +inf past the
+    // sequence, so P = 0 there) and delta.
+    const int wrow0 = 16 * (warp & 3);
+    uint32_t da[V / 16][4], qa[K / 16][4];
+    {
+      const T* dop = static_cast<const T*>(p.dout) + ch.b * p.do_s[0] + (ch.t0 + int64_t(qc) * kChunk + wrow0) * p.do_s[1] +
+                     hq * p.do_s[2];
+      load_frags<T, V / 16>(da, dop, p.do_s[1], nq - wrow0);
+    }
+    float lse2[2], dl[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const bool ok = rr[hr] < nq;
+      const int64_t pos = ch.t0 + int64_t(qc) * kChunk + rr[hr];
+      lse2[hr] = ok ? p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : INFINITY;
+      dl[hr] = ok ? p.delta[(tokq0 + rr[hr]) * p.HQ + hq] : 0.f;
+    }
+    float s[8][4], dp[8][4], gq[K / 8][4];
+    uint32_t dsa[4][4];
+    zero_acc(gq);
+    auto kmaj = [&](const T* base, uint32_t n, int kt) {  // K-major B: k-steps of 32 bytes within a 64-column block
+      const char* t = reinterpret_cast<const char*>(base + (n % kQfStages) * kChunk * K);
+      return smem_desc_sw128(t + (kt / 4) * kChunk * 128 + (kt % 4) * 32, 16, 1024);
+    };
+    auto nmaj = [&](uint32_t n, int kt) {  // ks N-major (gq += dS ks): k-steps of 16 keys, blocks 64 rows apart
+      const char* t = reinterpret_cast<const char*>(Ks + (n % kQfStages) * kChunk * K);
+      return smem_desc_sw128(t + kt * 16 * 128, kChunk * 128, 1024);
+    };
+    auto issue_sdp = [&](uint32_t n) {
+#pragma unroll
+      for (int kt = 0; kt < K / 16; ++kt) wg_rs<T, 0>(s, qa[kt], kmaj(Ks, n, kt), kt > 0);
+#pragma unroll
+      for (int kt = 0; kt < V / 16; ++kt) wg_rs<T, 0>(dp, da[kt], kmaj(Vs, n, kt), kt > 0);
+      wg_commit();
+    };
+    auto issue_gq = [&](uint32_t n) {
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(gq, dsa[kt], nmaj(n, kt));
+      wg_commit();
+    };
+    auto ds = [&]() {  // s <- scale P (dP - delta), P = 2^(s sl2 - lse2)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pr = fast_exp2(s[nt][e] * sl2 - lse2[e >> 1]);
+          s[nt][e] = p.scale * pr * (dp[nt][e] - dl[e >> 1]);
+        }
+    };
+    // dPS_sb += qt_sb^T gbar over the tile's rows: A = qt_sb^T (Qt, M-major), B = the staged gbar (Gs,
+    // N-major). K = 128: warpgroup wg takes features 64 wg .. over all rows; K = 64: all features over its own
+    // 64 rows (both add). Two 64-column halves of the result at K = 128.
+    auto add_dps = [&](int sb, float up) {
+      const int mb = K == 128 ? wg : 0, ks0 = K == 128 ? 0 : 4 * wg, nks = K == 128 ? 8 : 4;
+      float* dst = p.dps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
+#pragma unroll 1
+      for (int nh = 0; nh < KB; ++nh) {
+        float d[8][4];
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < nks; ++k) {
+          const int ksx = ks0 + k;
+          const uint64_t da_ = smem_desc_sw128(reinterpret_cast<const char*>(Qt + mb * kQfRows * 64) + ksx * 16 * 128,
+                                               kQfRows * 128, 1024);
+          const uint64_t db_ = smem_desc_sw128(reinterpret_cast<const char*>(Gs + nh * kQfRows * 64) + ksx * 16 * 128,
+                                               kQfRows * 128, 1024);
+          wg_ss<T, 1, 1>(d, da_, db_, k > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(d);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const int m = mb * 64 + 16 * (warp & 3) + g + 8 * (e >> 1), n = nh * 64 + 8 * nt + 2 * t4;
+            atomicAdd(reinterpret_cast<float2*>(dst + m * K + n), make_float2(d[nt][e] * up, d[nt][e + 1] * up));
+          }
+      }
+    };
+
+    for (int sb = 0; sb < S; ++sb) {
+      load_frags<T, K / 16>(qa, park + (size_t(sb) * kQfRows + 16 * warp) * K, K);  // this lane's own stores
+      if (sb > 0) {
+        // gbar staged in the input type, scaled by one power of two for the tile (its largest entry into [0.5, 1)).
+        float mx = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(gq[nt][e]));
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (lane == 0) red[warp] = mx;
+        __syncthreads();  // red; and every warp is past the previous crossing's reads of Gs
+        mx = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+        int ex = 0;
+        frexpf(mx, &ex);
+        const float down = ldexpf(1.f, -ex);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = 16 * warp + g + 8 * hr;  // row within the tile
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt) {
+            const int c = 8 * nt + 2 * t4, cc = c % 64;
+            T* dst = Gs + (c / 64) * kQfRows * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7));
+            *reinterpret_cast<uint32_t*>(dst) = Pack2<T>::pack(gq[nt][2 * hr] * down, gq[nt][2 * hr + 1] * down);
+          }
+        }
+        fence_async_smem();
+        mbar_wait(qt_full, n_qt & 1);
+        ++n_qt;
+        __syncthreads();  // Gs written by every warp
+        add_dps(sb, ldexpf(1.f, ex));
+        __syncthreads();  // every warp is done reading Qt
+        if (threadIdx.x == 0 && sb + 1 < S) issue_qt(sb + 1);
+        // gbar <- gbar PS_sb^T, each row scaled into fp16's range first.
+        mbar_wait(ps_full, n_ps & 1);
+        ps_product<K, true, true>(gq, PSs);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ps_empty);
+        ++n_ps;
+        if (threadIdx.x == 0 && n1 + sb < 2 * n1) issue_ps(n1 + sb);
+      }
+      // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1.
+      const int c0 = sb * kSuperChunks;
+      for (int c = c0; c < c0 + kSuperChunks; ++c) {
+        const uint32_t n = n_c + uint32_t(c);
+        if (threadIdx.x == 0 && c + 1 < nfc) issue_c(c + 1);
+        __syncwarp();
+        mbar_wait(&full[n % kQfStages], (n / kQfStages) & 1);
+        fence_regs(s);
+        fence_regs(dp);
+        fence_regs(gq);
+        fence_regs(dsa);
+        fence_regs(qa);
+        wg_fence();
+        issue_sdp(n);
+        if (c > c0) {
+          issue_gq(n - 1);
+          wg_wait<1>();  // S, dP of chunk c done; gq += dS ks of chunk c - 1 may still run
+        } else {
+          wg_wait<0>();
+        }
+        fence_regs(s);
+        fence_regs(dp);
+        ds();
+        if (c > c0) {
+          wg_wait<0>();
+          release_c(n - 1);
+        }
+        fence_regs(gq);
+        fence_regs(dsa);
+        pack_frags<T, 4>(dsa, s);
+      }
+      const uint32_t nl = n_c + uint32_t(c0 + kSuperChunks - 1);
+      fence_regs(gq);
+      fence_regs(dsa);
+      wg_fence();
+      issue_gq(nl);
+      wg_wait<0>();
+      fence_regs(gq);
+      release_c(nl);
+    }
+    n_c += uint32_t(nfc);
+    // gbar: the gradient w.r.t. qhat, this warp's rows.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      if (rr[hr] >= nq) continue;
+      float* dst = p.dqt + ((tokq0 + rr[hr]) * p.HQ + hq) * K;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+        *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
+    }
+  }
+#endif
+}
+
+template <typename T, int K>
+cudaError_t far_t(const KernelParams& p, const QfMaps& mp, int nitems, int grid, cudaStream_t s) {
+  return launch_with_smem(bwd_q_far_kernel<T, K>, dim3(unsigned(grid)), kQfThreads, QfSmem<K>::bytes, s, p, mp,
+                          nitems);
+}
+
+}  // namespace
+
+bool bwd_q_far_usable(const KernelParams& p) {
+  if (!p.path || p.gate || p.deterministic || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
+  // TMA wants 16-byte aligned bases and strides (v); dO's fragments are read with 32-bit loads.
+  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0 || reinterpret_cast<uintptr_t>(p.dout) % 4 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0 || p.do_s[d] % 2 != 0) return false;
+  if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
+  return far_device_ok(QfSmem<128>::bytes);
+}
+
+size_t bwd_q_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kQfRows * K; }
+
+cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, int park_slots, int grid,
+                             int dtype, cudaStream_t s) {
+  if (ntiles == 0) return cudaSuccess;
+  const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  QfMaps mp{};
+  mp.tiles = tiles;
+  mp.park_slots = park_slots;
+  const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), K = cuuint64_t(p.K), V = cuuint64_t(p.V);
+  {
+    const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
+    if (!encode_tiles(&mp.ks, dt, p.ks, 3, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
+    const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
+    if (!encode_tiles(&mp.v, dt, p.v, 4, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[2] = {K, cuuint64_t(grid) * park_slots * kQfRows}, strides[1] = {K * 2};
+    if (!encode_tiles(&mp.park, dt, p.scratch, 2, dims, strides, 1, kQfRows)) return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
+    if (!encode_tiles(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
+      return cudaErrorInvalidValue;
+  }
+  const int nitems = ntiles * p.HQ;
+  if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);
+  return p.K == 64 ? far_t<__nv_bfloat16, 64>(p, mp, nitems, grid, s)
+                   : far_t<__nv_bfloat16, 128>(p, mp, nitems, grid, s);
+}
+
+}  // namespace pathattn::cuda
