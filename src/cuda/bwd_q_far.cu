@@ -39,8 +39,9 @@ struct QfMaps {
 template <int K>
 struct QfSmem {
   static constexpr size_t kv = size_t(kChunk) * K * 2, tile = size_t(kQfRows) * K * 2;
-  // Stages of ks / v chunks, the superblock product (fp16), qt_sb and the staged gbar, a reduction, barriers.
-  static constexpr size_t bytes = 1024 + kQfStages * 2 * kv + size_t(K) * K * 2 + 2 * tile + 8 * 4 + 8 * 16;
+  // Stages of ks / v chunks, the superblock product (fp16), qt_sb and the staged gbar, a reduction, the rows'
+  // (lse2, delta), barriers.
+  static constexpr size_t bytes = 1024 + kQfStages * 2 * kv + size_t(K) * K * 2 + 2 * tile + 8 * 4 + kQfRows * 8 + 8 * 16;
 };
 
 template <typename T, int K>
@@ -55,7 +56,8 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   T* Qt = reinterpret_cast<T*>(PSs + K * K);  // [128 rows][K] as column blocks of 128 x 64
   T* Gs = Qt + kQfRows * K;                   // [128 rows][K] likewise (gbar, scaled)
   float* red = reinterpret_cast<float*>(Gs + kQfRows * K);
-  uint64_t* full = reinterpret_cast<uint64_t*>(red + 8);
+  float2* rowv = reinterpret_cast<float2*>(red + 8);  // [128] (lse2, delta)
+  uint64_t* full = reinterpret_cast<uint64_t*>(rowv + kQfRows);
   uint64_t* empty = full + kQfStages;
   uint64_t* ps_full = empty + kQfStages;
   uint64_t* ps_empty = ps_full + 1;
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
     __syncthreads();
     if (threadIdx.x == 0) {
       issue_c(0);
-      if (S > 1) issue_qt(1);
+      issue_qt(0);
     }
 
     // ---- pass 2. Per-row data of this warp's rows: dO fragments, the exponent's bias lse (base 2; +inf past the
@@ -165,14 +167,19 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
                      hq * p.do_s[2];
       load_frags<T, V / 16>(da, dop, p.do_s[1], nq - wrow0);
     }
-    float lse2[2], dl[2];
+    // (lse2, delta) of the tile's rows in shared memory (registers are short here); rows are written and read by
+    // the same warp.
+    if (t4 == 0)
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const bool ok = rr[hr] < nq;
-      const int64_t pos = ch.t0 + int64_t(qc) * kChunk + rr[hr];
-      lse2[hr] = ok ? p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E : INFINITY;
-      dl[hr] = ok ? p.delta[(tokq0 + rr[hr]) * p.HQ + hq] : 0.f;
-    }
+      for (int hr = 0; hr < 2; ++hr) {
+        const bool ok = rr[hr] < nq;
+        const int64_t pos = ch.t0 + int64_t(qc) * kChunk + rr[hr];
+        rowv[16 * warp + g + 8 * hr] =
+            ok ? make_float2(p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E,
+                             p.delta[(tokq0 + rr[hr]) * p.HQ + hq])
+               : make_float2(INFINITY, 0.f);
+      }
+    __syncwarp();
     float s[8][4], dp[8][4], gq[K / 8][4];
     uint32_t dsa[4][4];
     zero_acc(gq);
@@ -197,12 +204,13 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       wg_commit();
     };
     auto ds = [&]() {  // s <- scale P (dP - delta), P = 2^(s sl2 - lse2)
+      const float2 rv[2] = {rowv[16 * warp + g], rowv[16 * warp + g + 8]};
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pr = fast_exp2(s[nt][e] * sl2 - lse2[e >> 1]);
-          s[nt][e] = p.scale * pr * (dp[nt][e] - dl[e >> 1]);
+          const float pr = fast_exp2(s[nt][e] * sl2 - rv[e >> 1].x);
+          s[nt][e] = p.scale * pr * (dp[nt][e] - rv[e >> 1].y);
         }
     };
     // dPS_sb += qt_sb^T gbar over the tile's rows: A = qt_sb^T (Qt, M-major), B = the staged gbar (Gs,
@@ -227,18 +235,21 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         wg_commit();
         wg_wait<0>();
         fence_regs(d);
+        // Lanes t4 and t4 ^ 1 hold four adjacent columns of rows g and g + 8: the even lane adds row g's four,
+        // the odd lane row g + 8's, one vector reduction each.
+        const bool odd = t4 & 1;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            const int m = mb * 64 + 16 * (warp & 3) + g + 8 * (e >> 1), n = nh * 64 + 8 * nt + 2 * t4;
-            atomicAdd(reinterpret_cast<float2*>(dst + m * K + n), make_float2(d[nt][e] * up, d[nt][e + 1] * up));
-          }
+        for (int nt = 0; nt < 8; ++nt) {
+          const float s0 = odd ? d[nt][0] : d[nt][2], s1 = odd ? d[nt][1] : d[nt][3];
+          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+          const int m = mb * 64 + 16 * (warp & 3) + g + (odd ? 8 : 0), n = nh * 64 + 8 * nt + 4 * (t4 >> 1);
+          if (odd) red_add_v4(dst + m * K + n, r0 * up, r1 * up, d[nt][2] * up, d[nt][3] * up);
+          else red_add_v4(dst + m * K + n, d[nt][0] * up, d[nt][1] * up, r0 * up, r1 * up);
+        }
       }
     };
 
     for (int sb = 0; sb < S; ++sb) {
-      load_frags<T, K / 16>(qa, park + (size_t(sb) * kQfRows + 16 * warp) * K, K);  // this lane's own stores
       if (sb > 0) {
         // gbar staged in the input type, scaled by one power of two for the tile (its largest entry into [0.5, 1)).
         float mx = 0.f;
@@ -268,11 +279,16 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         }
         fence_async_smem();
         mbar_wait(qt_full, n_qt & 1);
-        ++n_qt;
         __syncthreads();  // Gs written by every warp
         add_dps(sb, ldexpf(1.f, ex));
-        __syncthreads();  // every warp is done reading Qt
-        if (threadIdx.x == 0 && sb + 1 < S) issue_qt(sb + 1);
+      } else {
+        mbar_wait(qt_full, n_qt & 1);
+      }
+      ++n_qt;
+      frags_from_sw128<K / 16>(qa, Qt, kQfRows, 16 * warp);  // qt_sb as the scores' A operand
+      __syncthreads();  // every warp is done reading Qt
+      if (threadIdx.x == 0 && sb + 1 < S) issue_qt(sb + 1);
+      if (sb > 0) {
         // gbar <- gbar PS_sb^T, each row scaled into fp16's range first.
         mbar_wait(ps_full, n_ps & 1);
         ps_product<K, true, true>(gq, PSs);

@@ -218,6 +218,27 @@ __device__ __forceinline__ void ps_product(float (&x)[K / 8][4], const __half* P
   }
 }
 
+// A warp's 16 rows (from row0) x (16 KT) columns of a 16-bit tile in shared memory as TMA writes it (column blocks
+// of `rows` rows x 64, 128-byte swizzle, 1024-byte aligned) as KT m16n8k16 A fragments, by ldmatrix.
+template <int KT>
+__device__ __forceinline__ void frags_from_sw128(uint32_t (&f)[KT][4], const void* tile, int rows, int row0) {
+  const int lane = threadIdx.x & 31, r = row0 + (lane & 15), hi = lane >> 4;
+  const char* base = static_cast<const char*>(tile) + r * 128;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    const int col = 16 * kt + 8 * hi;  // lanes 16-31 address the k-step's second 8 columns
+    ldsm_x4(f[kt], base + (col / 64) * rows * 128 + ((((col % 64) >> 3) ^ (r & 7)) << 4));
+  }
+}
+
+// dst[0..3] += v (fp32, 16-byte aligned global address) as one vector reduction (sm_90).
+__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
+#ifdef PA_SM90A
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#endif
+}
+
 // ---- mbarriers and TMA.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 #ifdef PA_SM90A
