@@ -243,8 +243,9 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
           const float s0 = odd ? d[nt][0] : d[nt][2], s1 = odd ? d[nt][1] : d[nt][3];
           const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
           const int m = mb * 64 + 16 * (warp & 3) + g + (odd ? 8 : 0), n = nh * 64 + 8 * nt + 4 * (t4 >> 1);
-          if (odd) red_add_v4(dst + m * K + n, r0 * up, r1 * up, d[nt][2] * up, d[nt][3] * up);
-          else red_add_v4(dst + m * K + n, d[nt][0] * up, d[nt][1] * up, r0 * up, r1 * up);
+          const float v0 = odd ? r0 : d[nt][0], v1 = odd ? r1 : d[nt][1], v2 = odd ? d[nt][2] : r0,
+                      v3 = odd ? d[nt][3] : r1;
+          red_add_v4(dst + m * K + n, v0 * up, v1 * up, v2 * up, v3 * up);
         }
       }
     };
@@ -297,12 +298,13 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         ++n_ps;
         if (threadIdx.x == 0 && n1 + sb < 2 * n1) issue_ps(n1 + sb);
       }
-      // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1.
+      // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1 (the first chunk
+      // peeled: a wgmma under a branch makes ptxas serialize them all).
       const int c0 = sb * kSuperChunks;
-      for (int c = c0; c < c0 + kSuperChunks; ++c) {
-        const uint32_t n = n_c + uint32_t(c);
+      auto wait_chunk = [&](int c) {  // thread 0 issues chunk c + 1 first
         if (threadIdx.x == 0 && c + 1 < nfc) issue_c(c + 1);
         __syncwarp();
+        const uint32_t n = n_c + uint32_t(c);
         mbar_wait(&full[n % kQfStages], (n / kQfStages) & 1);
         fence_regs(s);
         fence_regs(dp);
@@ -310,20 +312,25 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         fence_regs(dsa);
         fence_regs(qa);
         wg_fence();
+      };
+      wait_chunk(c0);
+      issue_sdp(n_c + uint32_t(c0));
+      wg_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+      ds();
+      pack_frags<T, 4>(dsa, s);
+      for (int c = c0 + 1; c < c0 + kSuperChunks; ++c) {
+        const uint32_t n = n_c + uint32_t(c);
+        wait_chunk(c);
         issue_sdp(n);
-        if (c > c0) {
-          issue_gq(n - 1);
-          wg_wait<1>();  // S, dP of chunk c done; gq += dS ks of chunk c - 1 may still run
-        } else {
-          wg_wait<0>();
-        }
+        issue_gq(n - 1);
+        wg_wait<1>();  // S, dP of chunk c done; gq += dS ks of chunk c - 1 may still run
         fence_regs(s);
         fence_regs(dp);
         ds();
-        if (c > c0) {
-          wg_wait<0>();
-          release_c(n - 1);
-        }
+        wg_wait<0>();
+        release_c(n - 1);
         fence_regs(gq);
         fence_regs(dsa);
         pack_frags<T, 4>(dsa, s);
