@@ -245,63 +245,99 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 
     mbar_wait(kv_full, n_kv & 1);
     ++n_kv;
-    for (int j = 0; j < nit; ++j) {
-      const uint32_t n = n_q + uint32_t(j);
-      const int a = sb_of(j);
-      const bool new_sb = j > 0 && a != sb_of(j - 1);
-      if (threadIdx.x == 0) {
-        if (j + 1 < nit) issue_q(j + 1);
-        if (new_sb) {  // kt_a into Kt once every warp is past its last scores of superblock a + 1
-          mbar_wait(kt_empty, n_kt & 1);
-          mbar_expect_tx(kt_full, uint32_t(kKfKeys * K * 2));
-          issue_kt(a, kt_full);
-        }
-      }
+    // Superblock a's items are [item_begin(a), item_begin(a - 1)); each superblock's first item is peeled out of
+    // the loop (no product under a branch: ptxas would serialize every wgmma). At K = 64 the scores of item j are
+    // issued together with dv / h of item j - 1 (registers allow it: far_bwd's bkw); at K = 128 one group at a
+    // time (bkw0: as fast there, without bkw's spills).
+    constexpr bool kOverlap = K == 64;
+    auto item_begin = [&](int a) {
+      return a == last_sb ? 0 : (n_last + kSuperChunks * (last_sb - 1 - a)) * p.group;
+    };
+    auto wait_item = [&](int j) {  // thread 0 issues item j + 1 first
+      if (threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
       __syncwarp();
+      const uint32_t n = n_q + uint32_t(j);
       mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
-      if (j > 0) {  // dv, h of the previous item
-        fence_regs(dv);
-        fence_regs(hk);
-        fence_regs(pa);
-        fence_regs(dsa);
-        wg_fence();
-        issue_acc(n - 1);
-        wg_wait<0>();
-        fence_regs(dv);
-        fence_regs(hk);
-        release_q(n - 1);
-      }
-      if (new_sb) {
-        cross_h();  // h <- h PS_a (pass 2's crossing n1 + (last_sb - 1 - a))
-        if (threadIdx.x == 0 && a > sbk + 1) issue_ps(n1 + (last_sb - 1 - a) + 1);
-        mbar_wait(kt_full, n_kt & 1);
-        ++n_kt;
-      }
       fence_regs(s);
       fence_regs(dp);
+      fence_regs(dv);
+      fence_regs(hk);
+      fence_regs(pa);
+      fence_regs(dsa);
+      wg_fence();
+    };
+    auto acc_alone = [&](uint32_t n) {  // dv, h of item n, waited for, its stage released
+      issue_acc(n);
+      wg_wait<0>();
+      fence_regs(dv);
+      fence_regs(hk);
+      fence_regs(pa);
+      fence_regs(dsa);
+      release_q(n);
+    };
+    auto scores_alone = [&](uint32_t n) {
       wg_fence();
       issue_sdp(n);
       wg_wait<0>();
       fence_regs(s);
       fence_regs(dp);
-      if (j + 1 < nit && sb_of(j + 1) != a) {  // this warp's last read of kt_a
-        __syncwarp();
-        if (lane == 0) mbar_arrive(kt_empty);
-      }
       pds(n);
       pack_frags<T, 4>(pa, s);
       pack_frags<T, 4>(dsa, dp);
+    };
+#pragma unroll 1
+    for (int a = last_sb; a > sbk; --a) {
+      const int j0 = item_begin(a), j1 = a == sbk + 1 ? nit : item_begin(a - 1);
+      if (a < last_sb) {
+        // h of superblock a + 1 is complete: kt_a into Kt once every warp is past its scores of a + 1, and
+        // h <- h PS_a (pass 2's crossing n1 + (last_sb - 1 - a)) while it loads.
+        if (threadIdx.x == 0) {
+          mbar_wait(kt_empty, n_kt & 1);
+          mbar_expect_tx(kt_full, uint32_t(kKfKeys * K * 2));
+          issue_kt(a, kt_full);
+        }
+        cross_h();
+        if (threadIdx.x == 0 && a > sbk + 1) issue_ps(n1 + (last_sb - 1 - a) + 1);
+        mbar_wait(kt_full, n_kt & 1);
+        ++n_kt;
+      }
+      wait_item(j0);
+      scores_alone(n_q + uint32_t(j0));
+#pragma unroll 1
+      for (int j = j0 + 1; j < j1; ++j) {
+        const uint32_t n = n_q + uint32_t(j);
+        wait_item(j);
+        if constexpr (kOverlap) {
+          issue_sdp(n);
+          issue_acc(n - 1);
+          wg_wait<1>();  // S^T, dP^T of item j done; dv / h of item j - 1 may still run
+          fence_regs(s);
+          fence_regs(dp);
+          pds(n);
+          wg_wait<0>();
+          release_q(n - 1);
+          fence_regs(dv);
+          fence_regs(hk);
+          fence_regs(pa);
+          fence_regs(dsa);
+          pack_frags<T, 4>(pa, s);
+          pack_frags<T, 4>(dsa, dp);
+        } else {
+          acc_alone(n - 1);
+          scores_alone(n);
+        }
+      }
+      if (a > sbk + 1) {  // this warp's last read of kt_a
+        __syncwarp();
+        if (lane == 0) mbar_arrive(kt_empty);
+      }
+      fence_regs(dv);
+      fence_regs(hk);
+      fence_regs(pa);
+      fence_regs(dsa);
+      wg_fence();
+      acc_alone(n_q + uint32_t(j1) - 1);
     }
-    fence_regs(dv);
-    fence_regs(hk);
-    fence_regs(pa);
-    fence_regs(dsa);
-    wg_fence();
-    issue_acc(n_q + uint32_t(nit) - 1);
-    wg_wait<0>();
-    fence_regs(dv);
-    fence_regs(hk);
-    release_q(n_q + uint32_t(nit) - 1);
     n_q += uint32_t(nit);
     // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys.
 #pragma unroll
