@@ -55,6 +55,14 @@ Tables build_tables(const core::Problem& pr) {
   return t;
 }
 
+// A host table copied into the workspace.
+template <class E>
+Status upload_table(Workspace& ws, const std::vector<E>& v, E** dev) {
+  PA_CU(ws.alloc(dev, v.size()));
+  PA_CU(ws.upload(*dev, v.data(), v.size() * sizeof(E)));
+  return Status::Ok();
+}
+
 void strides3(const TensorView& v, int64_t (&s)[3]) {
   for (int i = 0; i < 3; ++i) s[i] = v.ndim > i ? v.stride[i] : 0;
 }
@@ -95,12 +103,9 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K;
   ChunkDesc* chunks = nullptr;
   int32_t *order = nullptr, *sf = nullptr;
-  PA_CU(ws.alloc(&chunks, t.chunks.size()));
-  PA_CU(ws.alloc(&order, t.order.size()));
-  PA_CU(ws.alloc(&sf, t.seq_first.size()));
-  PA_CU(ws.upload(chunks, t.chunks.data(), t.chunks.size() * sizeof(ChunkDesc)));
-  PA_CU(ws.upload(order, t.order.data(), t.order.size() * sizeof(int32_t)));
-  PA_CU(ws.upload(sf, t.seq_first.data(), t.seq_first.size() * sizeof(int32_t)));
+  PA_TRY(upload_table(ws, t.chunks, &chunks));
+  PA_TRY(upload_table(ws, t.order, &order));
+  PA_TRY(upload_table(ws, t.seq_first, &sf));
   kp.chunks = chunks;
   kp.order = order;
   kp.nchunks = int(t.chunks.size());
@@ -123,8 +128,7 @@ Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core:
   if (kp.nsuper == 0) return Status::Ok();
   const size_t NT = size_t(pr.B) * pr.T;
   int32_t* sf = nullptr;
-  PA_CU(ws.alloc(&sf, t.super_first.size()));
-  PA_CU(ws.upload(sf, t.super_first.data(), t.super_first.size() * sizeof(int32_t)));
+  PA_TRY(upload_table(ws, t.super_first, &sf));
   kp.super_first = sf;
   __half* ks = nullptr;
   PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
@@ -216,8 +220,7 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
     if (pr.V == kChunk) kp.ofar = kp.aloc;
     else PA_CU(ws.alloc(&kp.ofar, NT * pr.HQ * pr.V));
     PA_CU(ws.alloc(&kp.lsefar, NT * pr.HQ));
-    PA_CU(ws.alloc(&far_dev, far_tiles.size()));
-    PA_CU(ws.upload(far_dev, far_tiles.data(), far_tiles.size() * sizeof(int32_t)));
+    PA_TRY(upload_table(ws, far_tiles, &far_dev));
   }
   if (ws.measuring()) return Status::Ok();
   Profile prof(s, "fwd");
@@ -338,8 +341,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
     if (qfar_grid <= 0) return internal("cuda: no SM count for the query side's far kernel");
     scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qfar_grid, qpark, int(K)));
-    PA_CU(ws.alloc(&qfar_dev, qfar_tiles.size()));
-    PA_CU(ws.upload(qfar_dev, qfar_tiles.data(), qfar_tiles.size() * sizeof(int32_t)));
+    PA_TRY(upload_table(ws, qfar_tiles, &qfar_dev));
   }
   float2* lsd = nullptr;
   bool zero_qhat = false;
@@ -347,8 +349,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     kfar_grid = far_grid(int64_t(kfar_tiles.size()) * int64_t(H));
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
     scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, kpark, int(K)));
-    PA_CU(ws.alloc(&kfar_dev, kfar_tiles.size()));
-    PA_CU(ws.upload(kfar_dev, kfar_tiles.data(), kfar_tiles.size() * sizeof(int32_t)));
+    PA_TRY(upload_table(ws, kfar_tiles, &kfar_dev));
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).

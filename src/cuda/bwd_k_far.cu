@@ -62,8 +62,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint64_t* kv_full = empty + kKfStages;  // the tile's v (with its first Kt)
   uint64_t* kt_full = kv_full + 1;
   uint64_t* kt_empty = kt_full + 1;
-  uint64_t* ps_full = kt_empty + 1;
-  uint64_t* ps_empty = ps_full + 1;
+  PsPipe ps{kt_empty + 1, kt_empty + 2, PSs};
   constexpr int kWarps = kKfThreads / 32;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKfStages; ++st) {
@@ -73,8 +72,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     mbar_init(kv_full, 1);
     mbar_init(kt_full, 1);
     mbar_init(kt_empty, kWarps);
-    mbar_init(ps_full, 1);
-    mbar_init(ps_empty, kWarps);
+    ps.init(kWarps);
     mbar_init_fence();
   }
   __syncthreads();
@@ -87,7 +85,6 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint32_t n_q = 0;     // query items loaded (stage n_q % 3)
   uint32_t n_kv = 0;    // tiles (kv_full)
   uint32_t n_kt = 0;    // key-state loads (kt_full), and Kt releases (kt_empty) before each but a tile's first
-  uint32_t n_ps = 0;    // superblock-product loads
 
   // Descriptor bases (>> 4 offsets per k-step added at the call): A = this warpgroup's 64 keys of Kt / Vt
   // (K-major, column blocks 128 rows apart); B K-major: a query stage's 64-row blocks; B N-major: k-steps of
@@ -126,12 +123,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // Producer (thread 0): the superblock product of crossing i (pass 1: PS_{sbk+1+i}; pass 2: PS_{last_sb-1-(i-n1)}),
     // once the previous one was released.
     auto issue_ps = [&](int i) {
-      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
-      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
       const int a = i < n1 ? sbk + 1 + i : last_sb - 1 - (i - n1);
-      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
-#pragma unroll 1
-      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+      ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
     };
     // Producer: query item j (qhat, dO, scalars) into stage n_q + j.
     auto issue_q = [&](int j) {
@@ -177,11 +170,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
       }
       for (int i = 0; i < n1; ++i) {
-        mbar_wait(ps_full, n_ps & 1);
-        ps_product<K, true, false>(kt, PSs);  // kt <- kt PS^T
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ps_empty);
-        ++n_ps;
+        ps.apply<K, true, false>(kt);  // kt <- kt PS^T
         if (threadIdx.x == 0 && i + 1 < 2 * n1) issue_ps(i + 1);
         store_tile<T, K>(park + size_t(i) * kKfKeys * K, K, kt);  // kt_{sbk+2+i}
       }
@@ -231,13 +220,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
     };
     // h <- h PS_a, each row of h scaled into fp16's range first (gradients may lie far below it).
-    auto cross_h = [&]() {
-      mbar_wait(ps_full, n_ps & 1);
-      ps_product<K, false, true>(hk, PSs);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(ps_empty);
-      ++n_ps;
-    };
+    auto cross_h = [&]() { ps.apply<K, false, true>(hk); };
     auto release_q = [&](uint32_t n) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[n % kKfStages]);
@@ -376,11 +359,7 @@ cudaError_t far_t(const KernelParams& p, const KfMaps& mp, int nitems, int grid,
 
 bool bwd_k_far_usable(const KernelParams& p) {
   if (!p.path || p.gate || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
-  // TMA wants 16-byte aligned bases and strides.
-  for (const void* base : {p.v, p.dout})
-    if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d)
-    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0 || (p.do_s[d] * 2) % 16 != 0 || p.do_s[d] <= 0) return false;
+  if (!tma_aligned(p.v, p.v_s) || !tma_aligned(p.dout, p.do_s)) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
   return far_device_ok(KfSmem<128>::bytes);
 }
@@ -399,35 +378,14 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
   mp.tiles = tiles;
   mp.lsd = lsd;
   mp.park_slots = park_slots;
-  const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), HQ = cuuint64_t(p.HQ), K = cuuint64_t(p.K),
-                   V = cuuint64_t(p.V);
-  {
-    const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
-    if (!encode_tiles(&mp.ks, dt, p.ks, 3, dims, strides, 2, kKfKeys)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
-    const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
-    if (!encode_tiles(&mp.v, dt, p.v, 4, dims, strides, 2, kKfKeys)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[2] = {K, cuuint64_t(grid) * park_slots * kKfKeys}, strides[1] = {K * 2};
-    if (!encode_tiles(&mp.park, dt, p.scratch, 2, dims, strides, 1, kKfKeys)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[3] = {K, HQ, NT}, strides[2] = {K * 2, HQ * K * 2};
-    if (!encode_tiles(&mp.qhat, dt, p.qhat, 3, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[4] = {V, HQ, cuuint64_t(p.T), cuuint64_t(p.B)};
-    const cuuint64_t strides[3] = {cuuint64_t(p.do_s[2]) * 2, cuuint64_t(p.do_s[1]) * 2, cuuint64_t(p.do_s[0]) * 2};
-    if (!encode_tiles(&mp.dout, dt, p.dout, 4, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
-    if (!encode_tiles(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
-      return cudaErrorInvalidValue;
-  }
+  const int64_t NT = int64_t(p.B) * p.T;
+  if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, NT, kKfKeys) ||
+      !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kKfKeys) ||
+      !map_matrix(&mp.park, dt, p.scratch, p.K, int64_t(grid) * park_slots * kKfKeys, kKfKeys) ||
+      !map_tokens(&mp.qhat, dt, p.qhat, p.K, p.HQ, NT, kChunk) ||
+      !map_bthd(&mp.dout, dt, p.dout, p.do_s, p.V, p.HQ, p.T, p.B, kChunk) ||
+      !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K))
+    return cudaErrorInvalidValue;
   const int nitems = ntiles * p.H;
   if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);
   return p.K == 64 ? far_t<__nv_bfloat16, 64>(p, mp, nitems, grid, s)

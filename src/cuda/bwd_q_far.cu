@@ -59,17 +59,15 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   float2* rowv = reinterpret_cast<float2*>(red + 8);  // [128] (lse2, delta)
   uint64_t* full = reinterpret_cast<uint64_t*>(rowv + kQfRows);
   uint64_t* empty = full + kQfStages;
-  uint64_t* ps_full = empty + kQfStages;
-  uint64_t* ps_empty = ps_full + 1;
-  uint64_t* qt_full = ps_empty + 1;
+  PsPipe ps{empty + kQfStages, empty + kQfStages + 1, PSs};
+  uint64_t* qt_full = empty + kQfStages + 2;
   constexpr int kWarps = kQfThreads / 32;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kQfStages; ++st) {
       mbar_init(&full[st], 1);
       mbar_init(&empty[st], kWarps);
     }
-    mbar_init(ps_full, 1);
-    mbar_init(ps_empty, kWarps);
+    ps.init(kWarps);
     mbar_init(qt_full, 1);
     mbar_init_fence();
   }
@@ -82,7 +80,6 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kQfRows;
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
   uint32_t n_c = 0;   // key chunks loaded (stage n_c % 3)
-  uint32_t n_ps = 0;  // superblock-product loads
   uint32_t n_qt = 0;  // qt_sb tile loads
 
   for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
@@ -93,12 +90,8 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
     const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
     const int nfc = S * kSuperChunks;  // far key chunks, the sequence's chunks 0 .. nfc - 1
     auto issue_ps = [&](int i) {  // thread 0: crossing i's product (pass 1: PS_{S-1-i}; pass 2: PS_{1+i-n1})
-      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
-      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
       const int a = i < n1 ? S - 1 - i : 1 + (i - n1);
-      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
-#pragma unroll 1
-      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+      ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
     };
     auto issue_c = [&](int c) {  // thread 0: key chunk c's ks and v into stage n_c + c
       const uint32_t n = n_c + uint32_t(c);
@@ -142,11 +135,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       for (int i = 0;; ++i) {
         store_tile<T, K>(park + size_t(S - 1 - i) * kQfRows * K, K, qt);  // qt_{S-1-i}
         if (i == n1) break;
-        mbar_wait(ps_full, n_ps & 1);
-        ps_product<K, false, false>(qt, PSs);  // qt <- qt PS_{S-1-i}
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ps_empty);
-        ++n_ps;
+        ps.apply<K, false, false>(qt);  // qt <- qt PS_{S-1-i}
         if (threadIdx.x == 0) issue_ps(i + 1);  // i + 1 < 2 n1
       }
       // The parked states are read back by TMA (the async proxy).
@@ -291,11 +280,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       if (threadIdx.x == 0 && sb + 1 < S) issue_qt(sb + 1);
       if (sb > 0) {
         // gbar <- gbar PS_sb^T, each row scaled into fp16's range first.
-        mbar_wait(ps_full, n_ps & 1);
-        ps_product<K, true, true>(gq, PSs);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ps_empty);
-        ++n_ps;
+        ps.apply<K, true, true>(gq);
         if (threadIdx.x == 0 && n1 + sb < 2 * n1) issue_ps(n1 + sb);
       }
       // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1 (the first chunk
@@ -368,10 +353,10 @@ cudaError_t far_t(const KernelParams& p, const QfMaps& mp, int nitems, int grid,
 
 bool bwd_q_far_usable(const KernelParams& p) {
   if (!p.path || p.gate || p.deterministic || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
-  // TMA wants 16-byte aligned bases and strides (v); dO's fragments are read with 32-bit loads.
-  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0 || reinterpret_cast<uintptr_t>(p.dout) % 4 != 0) return false;
+  // v by TMA; dO's fragments are read with 32-bit loads.
+  if (!tma_aligned(p.v, p.v_s) || reinterpret_cast<uintptr_t>(p.dout) % 4 != 0) return false;
   for (int d = 0; d < 3; ++d)
-    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0 || p.do_s[d] % 2 != 0) return false;
+    if (p.do_s[d] % 2 != 0) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
   return far_device_ok(QfSmem<128>::bytes);
 }
@@ -385,25 +370,11 @@ cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int nt
   QfMaps mp{};
   mp.tiles = tiles;
   mp.park_slots = park_slots;
-  const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), K = cuuint64_t(p.K), V = cuuint64_t(p.V);
-  {
-    const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
-    if (!encode_tiles(&mp.ks, dt, p.ks, 3, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
-    const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
-    if (!encode_tiles(&mp.v, dt, p.v, 4, dims, strides, 2, kChunk)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[2] = {K, cuuint64_t(grid) * park_slots * kQfRows}, strides[1] = {K * 2};
-    if (!encode_tiles(&mp.park, dt, p.scratch, 2, dims, strides, 1, kQfRows)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
-    if (!encode_tiles(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
-      return cudaErrorInvalidValue;
-  }
+  if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, int64_t(p.B) * p.T, kChunk) ||
+      !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kChunk) ||
+      !map_matrix(&mp.park, dt, p.scratch, p.K, int64_t(grid) * park_slots * kQfRows, kQfRows) ||
+      !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K))
+    return cudaErrorInvalidValue;
   const int nitems = ntiles * p.HQ;
   if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);
   return p.K == 64 ? far_t<__nv_bfloat16, 64>(p, mp, nitems, grid, s)

@@ -323,10 +323,7 @@ int far_grid(int64_t items) {
 
 bool fwd_far_usable(const KernelParams& p) {
   if (!p.path || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
-  // TMA wants 16-byte aligned bases and strides.
-  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d)
-    if ((p.v_s[d] * 2) % 16 != 0 || p.v_s[d] <= 0) return false;
+  if (!tma_aligned(p.v, p.v_s)) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.H * p.K >= (int64_t(1) << 40)) return false;
   return far_device_ok(FarSmem<128, 128>::bytes);
 }
@@ -336,21 +333,11 @@ cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntil
   const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   FarMaps mp{};
   mp.tiles = tiles;
-  const cuuint64_t NT = cuuint64_t(p.B) * p.T, H = cuuint64_t(p.H), K = cuuint64_t(p.K), V = cuuint64_t(p.V);
-  {
-    const cuuint64_t dims[3] = {K, H, NT}, strides[2] = {K * 2, H * K * 2};
-    if (!encode_tiles(&mp.ks, dt, p.ks, 3, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[4] = {V, H, cuuint64_t(p.T), cuuint64_t(p.B)};
-    const cuuint64_t strides[3] = {cuuint64_t(p.v_s[2]) * 2, cuuint64_t(p.v_s[1]) * 2, cuuint64_t(p.v_s[0]) * 2};
-    if (!encode_tiles(&mp.v, dt, p.v, 4, dims, strides, 2, kFarKeys)) return cudaErrorInvalidValue;
-  }
-  {
-    const cuuint64_t dims[2] = {K, cuuint64_t(p.nsuper) * H * K}, strides[1] = {K * 2};
-    if (!encode_tiles(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, 2, dims, strides, 1, int(K)))
-      return cudaErrorInvalidValue;
-  }
+  const int64_t NT = int64_t(p.B) * p.T;
+  if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, NT, kFarKeys) ||
+      !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kFarKeys) ||
+      !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K))
+    return cudaErrorInvalidValue;
   return dtype == 0 ? far_dispatch<__half>(p, mp, ntiles, s) : far_dispatch<__nv_bfloat16>(p, mp, ntiles, s);
 }
 

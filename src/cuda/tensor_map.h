@@ -7,6 +7,8 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace pathattn::cuda {
 
 // cuTensorMapEncodeTiled from the driver the runtime loaded; null when the driver lacks it.
@@ -31,6 +33,35 @@ inline bool encode_tiles(CUtensorMap* map, CUtensorMapDataType dt, const void* b
   return tensor_map_encoder()(map, dt, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, estr,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The tensors the far kernels tile, each by boxes of 64 columns x box_rows rows:
+// a row-major [rows][D] matrix (the parked states, the superblock products);
+inline bool map_matrix(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int64_t D, int64_t rows,
+                       int box_rows) {
+  const cuuint64_t dims[2] = {cuuint64_t(D), cuuint64_t(rows)}, strides[1] = {cuuint64_t(D) * 2};
+  return encode_tiles(map, dt, base, 2, dims, strides, 1, box_rows);
+}
+// a token-major workspace tensor [NT][heads][D] (boxes of one head);
+inline bool map_tokens(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int64_t D, int64_t heads, int64_t NT,
+                       int box_rows) {
+  const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(heads), cuuint64_t(NT)};
+  const cuuint64_t strides[2] = {cuuint64_t(D) * 2, cuuint64_t(heads * D) * 2};
+  return encode_tiles(map, dt, base, 3, dims, strides, 2, box_rows);
+}
+// a caller's [B][T][heads][D] tensor with element strides s (b, t, head; the last dim contiguous).
+inline bool map_bthd(CUtensorMap* map, CUtensorMapDataType dt, const void* base, const int64_t (&s)[3], int64_t D,
+                     int64_t heads, int64_t T, int64_t B, int box_rows) {
+  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(heads), cuuint64_t(T), cuuint64_t(B)};
+  const cuuint64_t strides[3] = {cuuint64_t(s[2]) * 2, cuuint64_t(s[1]) * 2, cuuint64_t(s[0]) * 2};
+  return encode_tiles(map, dt, base, 4, dims, strides, 2, box_rows);
+}
+// TMA's alignment rules for such a caller's tensor: a 16-byte aligned base and positive strides of 16 bytes' multiples.
+inline bool tma_aligned(const void* base, const int64_t (&s)[3]) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (s[d] <= 0 || (s[d] * 2) % 16 != 0) return false;
+  return true;
 }
 
 // This build has sm_90a device code, the current device is a Hopper part with `smem` bytes of shared memory a
