@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint64_t* kv_full = empty + kKfStages;  // the tile's v (with its first Kt)
   uint64_t* kt_full = kv_full + 1;
   uint64_t* kt_empty = kt_full + 1;
-  PsPipe ps{kt_empty + 1, kt_empty + 2, PSs};
+  uint64_t* ps_full = kt_empty + 1;
+  uint64_t* ps_empty = ps_full + 1;
   constexpr int kWarps = kKfThreads / 32;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKfStages; ++st) {
@@ -72,7 +73,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     mbar_init(kv_full, 1);
     mbar_init(kt_full, 1);
     mbar_init(kt_empty, kWarps);
-    ps.init(kWarps);
+    mbar_init(ps_full, 1);
+    mbar_init(ps_empty, kWarps);
     mbar_init_fence();
   }
   __syncthreads();
@@ -85,6 +87,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint32_t n_q = 0;     // query items loaded (stage n_q % 3)
   uint32_t n_kv = 0;    // tiles (kv_full)
   uint32_t n_kt = 0;    // key-state loads (kt_full), and Kt releases (kt_empty) before each but a tile's first
+  uint32_t n_ps = 0;    // superblock-product loads
 
   // Descriptor bases (>> 4 offsets per k-step added at the call): A = this warpgroup's 64 keys of Kt / Vt
   // (K-major, column blocks 128 rows apart); B K-major: a query stage's 64-row blocks; B N-major: k-steps of
@@ -123,8 +126,12 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // Producer (thread 0): the superblock product of crossing i (pass 1: PS_{sbk+1+i}; pass 2: PS_{last_sb-1-(i-n1)}),
     // once the previous one was released.
     auto issue_ps = [&](int i) {
+      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
+      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
       const int a = i < n1 ? sbk + 1 + i : last_sb - 1 - (i - n1);
-      ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
+      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
+#pragma unroll 1
+      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
     };
     // Producer: query item j (qhat, dO, scalars) into stage n_q + j.
     auto issue_q = [&](int j) {
@@ -170,7 +177,11 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
       }
       for (int i = 0; i < n1; ++i) {
-        ps.apply<K, true, false>(kt);  // kt <- kt PS^T
+        mbar_wait(ps_full, n_ps & 1);
+        ps_product<K, true, false>(kt, PSs);  // kt <- kt PS^T
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ps_empty);
+        ++n_ps;
         if (threadIdx.x == 0 && i + 1 < 2 * n1) issue_ps(i + 1);
         store_tile<T, K>(park + size_t(i) * kKfKeys * K, K, kt);  // kt_{sbk+2+i}
       }
@@ -220,7 +231,13 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
     };
     // h <- h PS_a, each row of h scaled into fp16's range first (gradients may lie far below it).
-    auto cross_h = [&]() { ps.apply<K, false, true>(hk); };
+    auto cross_h = [&]() {
+      mbar_wait(ps_full, n_ps & 1);
+      ps_product<K, false, true>(hk, PSs);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(ps_empty);
+      ++n_ps;
+    };
     auto release_q = [&](uint32_t n) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[n % kKfStages]);

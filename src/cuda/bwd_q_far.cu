@@ -59,15 +59,17 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   float2* rowv = reinterpret_cast<float2*>(red + 8);  // [128] (lse2, delta)
   uint64_t* full = reinterpret_cast<uint64_t*>(rowv + kQfRows);
   uint64_t* empty = full + kQfStages;
-  PsPipe ps{empty + kQfStages, empty + kQfStages + 1, PSs};
-  uint64_t* qt_full = empty + kQfStages + 2;
+  uint64_t* ps_full = empty + kQfStages;
+  uint64_t* ps_empty = ps_full + 1;
+  uint64_t* qt_full = ps_empty + 1;
   constexpr int kWarps = kQfThreads / 32;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kQfStages; ++st) {
       mbar_init(&full[st], 1);
       mbar_init(&empty[st], kWarps);
     }
-    ps.init(kWarps);
+    mbar_init(ps_full, 1);
+    mbar_init(ps_empty, kWarps);
     mbar_init(qt_full, 1);
     mbar_init_fence();
   }
@@ -80,6 +82,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kQfRows;
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
   uint32_t n_c = 0;   // key chunks loaded (stage n_c % 3)
+  uint32_t n_ps = 0;  // superblock-product loads
   uint32_t n_qt = 0;  // qt_sb tile loads
 
   for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
@@ -90,8 +93,12 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
     const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
     const int nfc = S * kSuperChunks;  // far key chunks, the sequence's chunks 0 .. nfc - 1
     auto issue_ps = [&](int i) {  // thread 0: crossing i's product (pass 1: PS_{S-1-i}; pass 2: PS_{1+i-n1})
+      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
+      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
       const int a = i < n1 ? S - 1 - i : 1 + (i - n1);
-      ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
+      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
+#pragma unroll 1
+      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
     };
     auto issue_c = [&](int c) {  // thread 0: key chunk c's ks and v into stage n_c + c
       const uint32_t n = n_c + uint32_t(c);
@@ -135,7 +142,11 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       for (int i = 0;; ++i) {
         store_tile<T, K>(park + size_t(S - 1 - i) * kQfRows * K, K, qt);  // qt_{S-1-i}
         if (i == n1) break;
-        ps.apply<K, false, false>(qt);  // qt <- qt PS_{S-1-i}
+        mbar_wait(ps_full, n_ps & 1);
+        ps_product<K, false, false>(qt, PSs);  // qt <- qt PS_{S-1-i}
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ps_empty);
+        ++n_ps;
         if (threadIdx.x == 0) issue_ps(i + 1);  // i + 1 < 2 n1
       }
       // The parked states are read back by TMA (the async proxy).
@@ -280,7 +291,11 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       if (threadIdx.x == 0 && sb + 1 < S) issue_qt(sb + 1);
       if (sb > 0) {
         // gbar <- gbar PS_sb^T, each row scaled into fp16's range first.
-        ps.apply<K, true, true>(gq);
+        mbar_wait(ps_full, n_ps & 1);
+        ps_product<K, true, true>(gq, PSs);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(ps_empty);
+        ++n_ps;
         if (threadIdx.x == 0 && n1 + sb < 2 * n1) issue_ps(n1 + sb);
       }
       // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1 (the first chunk
