@@ -323,11 +323,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // superblock, lowest chunk (most work) first.
   std::vector<int32_t> qfar_tiles, kfar_tiles;
   int qpark = 1, kpark = 1, qfar_grid = 0, kfar_grid = 0;
-  if (far_worth_it(kp, t) && bwd_q_far_usable(kp)) {
+  const bool far = far_worth_it(kp, t);
+  if (far && bwd_q_far_usable(kp)) {
     qfar_tiles = far_query_tiles(t);
     for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kSuperChunks);
   }
-  if (far_worth_it(kp, t) && bwd_k_far_usable(kp)) {
+  if (far && bwd_k_far_usable(kp)) {
     for (auto i = t.order.rbegin(); i != t.order.rend(); ++i) {
       const ChunkDesc& c = t.chunks[size_t(*i)];
       const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kSuperChunks, sbk = c.c / kSuperChunks;

@@ -294,10 +294,19 @@ TEST(CudaBackend, LongerSequences) {
 // The forward's far part runs in fwd_far on sm_90a builds and devices (Hopper); PATHATTN_CUDA_FAR=0 keeps it in
 // fwd_scan, the path of every other device and of strides TMA cannot take. Both against the oracle, past two
 // superblocks, MHA and GQA, gate on and off, an odd number of chunks (the last tile's second chunk absent).
-TEST(CudaBackend, ForwardFarPathAndScanOnly) {
-  REQUIRE_GPU();
+// Runs `body` with the far kernels off (PATHATTN_CUDA_FAR=0: the scans alone), then on where the device has them.
+template <class F>
+void on_both_far_paths(F body) {
   for (const char* far : {"0", "1"}) {
     setenv("PATHATTN_CUDA_FAR", far, 1);
+    body();
+  }
+  unsetenv("PATHATTN_CUDA_FAR");
+}
+
+TEST(CudaBackend, ForwardFarPathAndScanOnly) {
+  REQUIRE_GPU();
+  on_both_far_paths([] {
     CaseSpec s = mk(1600, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 91);
     check_case(s, false, {}, true);
     s = mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 92);
@@ -305,8 +314,7 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
     s = mk(2500, 2, 1, 128, 128, true, BetaMode::near2, DType::bf16, 93);
     s.B = 1;
     check_case(s, false, {}, true);
-  }
-  unsetenv("PATHATTN_CUDA_FAR");
+  });
 }
 
 // The backward's far parts (bwd_q_far and bwd_k_far on Hopper, else the scans alone) against the oracle, both
@@ -315,8 +323,7 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
 // crossed, beta = 2 and near 2.
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
-  for (const char* far : {"0", "1"}) {
-    setenv("PATHATTN_CUDA_FAR", far, 1);
+  on_both_far_paths([] {
     check_case(mk(1600, 4, 2, 64, 64, false, BetaMode::uniform02, DType::bf16, 94), true, {}, true);
     check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 95), true, {}, true);
     CaseSpec s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 96);
@@ -326,8 +333,7 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s = mk(2500, 2, 2, 64, 64, false, BetaMode::near2, DType::bf16, 97);
     s.B = 1;
     check_case(s, true, {}, true);
-  }
-  unsetenv("PATHATTN_CUDA_FAR");
+  });
 }
 
 // The accuracy bar of the CUDA issue: bf16, T in 512..2048, K in {64, 128}, beta ~ U(0, 2), gate on/off.
