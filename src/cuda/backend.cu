@@ -357,7 +357,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
   }
   PA_CU(ws.alloc(&kp.scratch, scratch_elems));
+  int* far_next = nullptr;  // the far kernels' item counters
+  PA_CU(ws.alloc(&far_next, 2));
   if (ws.measuring()) return Status::Ok();
+  PA_CU(ws.zero(far_next, 2 * sizeof(int)));
   if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");
@@ -372,14 +375,14 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     k1.qfar = 1;
     PA_CU(launch_bwd_q(k1, dt, gq, q_items, s));
     prof.mark("bwd_q(qhat)");
-    PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, dt, s));
+    PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, far_next, dt, s));
     prof.mark("bwd_q_far");
     kp.qfar = 2;
   }
   PA_CU(launch_bwd_q(kp, dt, gq, q_items, s));
   prof.mark("bwd_q");
   if (!kfar_tiles.empty()) {
-    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, dt, s));
+    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, far_next + 1, dt, s));
     prof.mark("bwd_k_far");
     kp.kfar = true;
   }

@@ -34,6 +34,7 @@ struct KfMaps {
   CUtensorMap dout;  // [B][T][HQ][V] with dO's strides: 64 columns x 64 query rows
   CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
+  int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
   const float2* lsd;     // [HQ][nchunks][64] (lse in base 2, delta) per query row; +inf past the sequence
   int park_slots;        // parked states per CTA (128 x K each)
 };
@@ -62,8 +63,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint64_t* kv_full = empty + kKfStages;  // the tile's v (with its first Kt)
   uint64_t* kt_full = kv_full + 1;
   uint64_t* kt_empty = kt_full + 1;
-  uint64_t* ps_full = kt_empty + 1;
-  uint64_t* ps_empty = ps_full + 1;
+  PsPipe ps{kt_empty + 1, kt_empty + 2, PSs};
   constexpr int kWarps = kKfThreads / 32;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKfStages; ++st) {
@@ -73,8 +73,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     mbar_init(kv_full, 1);
     mbar_init(kt_full, 1);
     mbar_init(kt_empty, kWarps);
-    mbar_init(ps_full, 1);
-    mbar_init(ps_empty, kWarps);
+    ps.init(kWarps);
     mbar_init_fence();
   }
   __syncthreads();
@@ -87,7 +86,6 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint32_t n_q = 0;     // query items loaded (stage n_q % 3)
   uint32_t n_kv = 0;    // tiles (kv_full)
   uint32_t n_kt = 0;    // key-state loads (kt_full), and Kt releases (kt_empty) before each but a tile's first
-  uint32_t n_ps = 0;    // superblock-product loads
 
   // Descriptor bases (>> 4 offsets per k-step added at the call): A = this warpgroup's 64 keys of Kt / Vt
   // (K-major, column blocks 128 rows apart); B K-major: a query stage's 64-row blocks; B N-major: k-steps of
@@ -104,7 +102,16 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     return smem_desc_sw128(base + (n % kKfStages) * kChunk * K, kChunk * 128, 1024);
   };
 
-  for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
+  // Items are most work first; a CTA that finishes takes the earliest item not yet taken (not every gridDim.x-th:
+  // tiles differ from one to ~T/512 superblocks of work).
+  __shared__ int next_item;
+  auto take_next = [&]() {
+    __syncthreads();  // every thread has read next_item
+    if (threadIdx.x == 0) next_item = int(gridDim.x) + atomicAdd(mp.next, 1);
+    __syncthreads();
+    return next_item;
+  };
+  for (int it = blockIdx.x; it < nitems; it = take_next()) {
     const int h = it % p.H;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
     const int kc = ch.c, sbk = kc / kSuperChunks;
@@ -126,12 +133,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // Producer (thread 0): the superblock product of crossing i (pass 1: PS_{sbk+1+i}; pass 2: PS_{last_sb-1-(i-n1)}),
     // once the previous one was released.
     auto issue_ps = [&](int i) {
-      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
-      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
       const int a = i < n1 ? sbk + 1 + i : last_sb - 1 - (i - n1);
-      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
-#pragma unroll 1
-      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+      ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
     };
     // Producer: query item j (qhat, dO, scalars) into stage n_q + j.
     auto issue_q = [&](int j) {
@@ -177,11 +180,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
       }
       for (int i = 0; i < n1; ++i) {
-        mbar_wait(ps_full, n_ps & 1);
-        ps_product<K, true, false>(kt, PSs);  // kt <- kt PS^T
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ps_empty);
-        ++n_ps;
+        ps.apply<K, true, false>(kt);  // kt <- kt PS^T
         if (threadIdx.x == 0 && i + 1 < 2 * n1) issue_ps(i + 1);
         store_tile<T, K>(park + size_t(i) * kKfKeys * K, K, kt);  // kt_{sbk+2+i}
       }
@@ -231,13 +230,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
     };
     // h <- h PS_a, each row of h scaled into fp16's range first (gradients may lie far below it).
-    auto cross_h = [&]() {
-      mbar_wait(ps_full, n_ps & 1);
-      ps_product<K, false, true>(hk, PSs);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(ps_empty);
-      ++n_ps;
-    };
+    auto cross_h = [&]() { ps.apply<K, false, true>(hk); };
     auto release_q = [&](uint32_t n) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[n % kKfStages]);
@@ -385,7 +378,7 @@ bool bwd_k_far_usable(const KernelParams& p) {
 size_t bwd_k_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kKfKeys * K; }
 
 cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
-                             int grid, int dtype, cudaStream_t s) {
+                             int grid, int* next, int dtype, cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;
   build_lsd_kernel<<<unsigned(int64_t(p.nchunks) * p.HQ), kChunk, 0, s>>>(p, lsd);
   cudaError_t e = cudaGetLastError();
@@ -393,6 +386,7 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
   const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   KfMaps mp{};
   mp.tiles = tiles;
+  mp.next = next;
   mp.lsd = lsd;
   mp.park_slots = park_slots;
   const int64_t NT = int64_t(p.B) * p.T;

@@ -33,6 +33,7 @@ struct QfMaps {
   CUtensorMap park;  // [rows][K] this call's parked query states (kp.scratch): 64 columns x 128 rows
   CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
+  int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
   int park_slots;        // parked states per CTA (128 x K each)
 };
 
@@ -59,17 +60,15 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   float2* rowv = reinterpret_cast<float2*>(red + 8);  // [128] (lse2, delta)
   uint64_t* full = reinterpret_cast<uint64_t*>(rowv + kQfRows);
   uint64_t* empty = full + kQfStages;
-  uint64_t* ps_full = empty + kQfStages;
-  uint64_t* ps_empty = ps_full + 1;
-  uint64_t* qt_full = ps_empty + 1;
+  PsPipe ps{empty + kQfStages, empty + kQfStages + 1, PSs};
+  uint64_t* qt_full = empty + kQfStages + 2;
   constexpr int kWarps = kQfThreads / 32;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kQfStages; ++st) {
       mbar_init(&full[st], 1);
       mbar_init(&empty[st], kWarps);
     }
-    mbar_init(ps_full, 1);
-    mbar_init(ps_empty, kWarps);
+    ps.init(kWarps);
     mbar_init(qt_full, 1);
     mbar_init_fence();
   }
@@ -82,10 +81,18 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kQfRows;
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
   uint32_t n_c = 0;   // key chunks loaded (stage n_c % 3)
-  uint32_t n_ps = 0;  // superblock-product loads
   uint32_t n_qt = 0;  // qt_sb tile loads
 
-  for (int it = blockIdx.x; it < nitems; it += gridDim.x) {
+  // Items are most work first; a CTA that finishes takes the earliest item not yet taken (not every gridDim.x-th:
+  // tiles differ from one to ~T/512 superblocks of work).
+  __shared__ int next_item;
+  auto take_next = [&]() {
+    __syncthreads();  // every thread has read next_item
+    if (threadIdx.x == 0) next_item = int(gridDim.x) + atomicAdd(mp.next, 1);
+    __syncthreads();
+    return next_item;
+  };
+  for (int it = blockIdx.x; it < nitems; it = take_next()) {
     const int hq = it % p.HQ, h = hq / p.group;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.HQ]];
     const int S = ch.c / kSuperChunks, n1 = S - 1;  // earlier superblocks; crossings of each pass
@@ -93,12 +100,8 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
     const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
     const int nfc = S * kSuperChunks;  // far key chunks, the sequence's chunks 0 .. nfc - 1
     auto issue_ps = [&](int i) {  // thread 0: crossing i's product (pass 1: PS_{S-1-i}; pass 2: PS_{1+i-n1})
-      if (n_ps > 0) mbar_wait(ps_empty, (n_ps - 1) & 1);
-      mbar_expect_tx(ps_full, uint32_t(K * K * 2));
       const int a = i < n1 ? S - 1 - i : 1 + (i - n1);
-      const int row = int((int64_t(ch.sfirst + a) * p.H + h) * K);
-#pragma unroll 1
-      for (int j = 0; j < KB; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
+      ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
     };
     auto issue_c = [&](int c) {  // thread 0: key chunk c's ks and v into stage n_c + c
       const uint32_t n = n_c + uint32_t(c);
@@ -142,11 +145,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       for (int i = 0;; ++i) {
         store_tile<T, K>(park + size_t(S - 1 - i) * kQfRows * K, K, qt);  // qt_{S-1-i}
         if (i == n1) break;
-        mbar_wait(ps_full, n_ps & 1);
-        ps_product<K, false, false>(qt, PSs);  // qt <- qt PS_{S-1-i}
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ps_empty);
-        ++n_ps;
+        ps.apply<K, false, false>(qt);  // qt <- qt PS_{S-1-i}
         if (threadIdx.x == 0) issue_ps(i + 1);  // i + 1 < 2 n1
       }
       // The parked states are read back by TMA (the async proxy).
@@ -235,11 +234,31 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         wg_commit();
         wg_wait<0>();
         fence_regs(d);
+        bool reduce = true;
+        if constexpr (K == 64) {
+          // Both warpgroups hold a 64 x 64 partial over their own rows: warpgroup 0 sums rows 0-31 of the two,
+          // warpgroup 1 rows 32-63, through shared memory over Gs (free once both products are done), so that
+          // each element takes one reduction instead of two.
+          float* xch = reinterpret_cast<float*>(Gs) + (warp & 3) * 32 + lane;  // [32 values][4 warps x 32 lanes]
+          reduce = ((warp & 3) < 2) == (wg == 0);
+          __syncthreads();  // both warpgroups' products have read Gs
+          if (!reduce)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) xch[(4 * nt + e) * 128] = d[nt][e];
+          __syncthreads();
+          if (reduce)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) d[nt][e] += xch[(4 * nt + e) * 128];
+        }
         // Lanes t4 and t4 ^ 1 hold four adjacent columns of rows g and g + 8: the even lane adds row g's four,
         // the odd lane row g + 8's, one vector reduction each.
         const bool odd = t4 & 1;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 8 && reduce; ++nt) {
           const float s0 = odd ? d[nt][0] : d[nt][2], s1 = odd ? d[nt][1] : d[nt][3];
           const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
           const int m = mb * 64 + 16 * (warp & 3) + g + (odd ? 8 : 0), n = nh * 64 + 8 * nt + 4 * (t4 >> 1);
@@ -291,11 +310,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       if (threadIdx.x == 0 && sb + 1 < S) issue_qt(sb + 1);
       if (sb > 0) {
         // gbar <- gbar PS_sb^T, each row scaled into fp16's range first.
-        mbar_wait(ps_full, n_ps & 1);
-        ps_product<K, true, true>(gq, PSs);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(ps_empty);
-        ++n_ps;
+        ps.apply<K, true, true>(gq);
         if (threadIdx.x == 0 && n1 + sb < 2 * n1) issue_ps(n1 + sb);
       }
       // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1 (the first chunk
@@ -379,11 +394,12 @@ bool bwd_q_far_usable(const KernelParams& p) {
 size_t bwd_q_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kQfRows * K; }
 
 cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, int park_slots, int grid,
-                             int dtype, cudaStream_t s) {
+                             int* next, int dtype, cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;
   const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   QfMaps mp{};
   mp.tiles = tiles;
+  mp.next = next;
   mp.park_slots = park_slots;
   if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, int64_t(p.B) * p.T, kChunk) ||
       !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kChunk) ||

@@ -324,4 +324,35 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
 #endif
 }
 
+// The superblock products' pipeline of the backward's far kernels: one buffer PSs ([K][K] fp16 as column blocks
+// of K x 64), filled by one thread once every warp released the previous product, applied by every warp
+// (ps_product) and released. `n` counts the products applied (every thread counts the same).
+struct PsPipe {
+  uint64_t* full;   // one arrival (the loading thread's expect_tx)
+  uint64_t* empty;  // one arrival a warp
+  __half* buf;
+  uint32_t n = 0;
+  __device__ void init(int warps) {
+    mbar_init(full, 1);
+    mbar_init(empty, warps);
+  }
+  // One thread: rows [row, row + K) of `map` (the products as a [nsuper H K][K] matrix) into buf.
+  template <int K>
+  __device__ void load(const CUtensorMap* map, int row) {
+    if (n > 0) mbar_wait(empty, (n - 1) & 1);
+    mbar_expect_tx(full, uint32_t(K * K * 2));
+#pragma unroll 1
+    for (int j = 0; j < K / 64; ++j) tma_load(buf + j * K * 64, map, 64 * j, row, full);
+  }
+  // x <- x PS (or x PS^T): waits for the product, applies it, releases it.
+  template <int K, bool kTransposed, bool kRowScale>
+  __device__ void apply(float (&x)[K / 8][4]) {
+    mbar_wait(full, n & 1);
+    ps_product<K, kTransposed, kRowScale>(x, buf);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(empty);
+    ++n;
+  }
+};
+
 }  // namespace pathattn::cuda

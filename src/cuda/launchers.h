@@ -37,24 +37,24 @@ cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems,
 // per (tile of two query chunks past their sequence's superblock 0, query head; `tiles` as launch_fwd_far's),
 // adds the far superblocks' dPS (atomics) and writes gbar at the own superblock's start into dqt. Parked query
 // states in p.scratch (bwd_q_far_park_elems, park_slots: the most earlier superblocks of any tile); grid from
-// far_grid. bwd_q_far_usable: as bwd_k_far_usable, and not in deterministic mode.
+// far_grid; `next`: a zeroed int (its item counter). bwd_q_far_usable: as bwd_k_far_usable, and not in deterministic mode.
 bool bwd_q_far_usable(const KernelParams& p);
 size_t bwd_q_far_park_elems(int grid, int park_slots, int K);
 cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, int park_slots, int grid,
-                             int dtype, cudaStream_t s);
+                             int* next, int dtype, cudaStream_t s);
 // Key side's far part on sm_90a (bwd_k_far.cu), after bwd_q (qhat): per (tile of the two chunks of a superblock
 // pair with later superblocks in their sequence, kv head), writes dks and the far part of dvk; bwd_k then runs
 // with p.kfar set. `tiles`: each tile's first (even) chunk's table index, most work first; lsd: [HQ][nchunks][64]
 // float2 (filled here); the parked key states go to p.scratch (bwd_k_far_park_elems 16-bit elements, park_slots
 // states a CTA: the most superblocks any tile's keys cross, last_sb - sbk - 1, at least 1); grid from
-// far_grid. bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
+// far_grid; `next` a zeroed int (its item counter). bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
 // (no gate).
 bool bwd_k_far_usable(const KernelParams& p);
 // One CTA per SM for `items` items of the persistent far kernels (0 without a device).
 int far_grid(int64_t items);
 size_t bwd_k_far_park_elems(int grid, int park_slots, int K);
 cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
-                             int grid, int dtype, cudaStream_t s);
+                             int grid, int* next, int dtype, cudaStream_t s);
 // Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk).
 cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s);
 // Chunk-local backward through the UT transform: dq, dk, dv, dw, dbeta.
