@@ -149,10 +149,13 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 // stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
 constexpr int kSuperRows = 32;  // the smallest row block
 
+// M's rows, Y, and two sets of a chunk's k~, W and W2 tiles: the next chunk's load (cp.async) runs while this
+// chunk's products do.
 template <int K, int RB>
 struct SuperSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
-  static constexpr size_t bytes = sizeof(float) * (size_t(RB) * LM + size_t(RB) * LY) + 3 * 2 * size_t(kChunk) * LT;
+  static constexpr size_t tiles = 3 * 2 * size_t(kChunk) * LT;  // one set
+  static constexpr size_t bytes = sizeof(float) * (size_t(RB) * LM + size_t(RB) * LY) + 2 * tiles;
 };
 
 template <typename T, int K, int RB>
@@ -162,9 +165,7 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
   extern __shared__ float sm[];
   float* Mf = sm;  // rows j0 .. j0 + RB - 1 of M
   float* Yf = Mf + RB * LM;
-  T* Kt = reinterpret_cast<T*>(Yf + RB * LY);
-  __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
-  __half* W2s = Ws + kChunk * LT;
+  uint8_t* sets = reinterpret_cast<uint8_t*>(Yf + RB * LY);  // per set: k~, W, W2 ([64][LT] each)
 
   // Row blocks fastest: the CTAs of one item run side by side and share their tiles through L2.
   const int j0 = int(blockIdx.x % NB) * RB, item = int(blockIdx.x / NB);
@@ -174,13 +175,35 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
   const T* ktp = static_cast<const T*>(p.kt);
   T* ksp = static_cast<T*>(p.ks);
+  // Chunk c's tiles into set `set`: three groups of kTileThreads threads, one tile each (every chunk of a full
+  // superblock has kChunk rows).
+  static_assert(kPrepThreads >= 3 * kTileThreads, "super_prep: one thread group per tile");
+  auto issue = [&](int c, int set) {
+    const int64_t row = ((tok0 + int64_t(c) * kChunk) * p.H + h) * K, stride = int64_t(p.H) * K;
+    T* kt = reinterpret_cast<T*>(sets + set * S::tiles);
+    __half* w = reinterpret_cast<__half*>(kt + kChunk * LT);
+    const int grp = tid / kTileThreads, gt = tid % kTileThreads;
+    if (grp == 0) load_tile_async<K>(kt, ktp + row, stride, kChunk, gt);
+    else if (grp == 1) load_tile_async<K>(w, p.w16 + row, stride, kChunk, gt);
+    else if (grp == 2) load_tile_async<K>(w + kChunk * LT, p.w2h + row, stride, kChunk, gt);
+    cp_async_commit();
+  };
   for (int idx = tid; idx < RB * K; idx += blockDim.x) Mf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
+  issue(kSuperChunks - 1, 0);
   for (int c = kSuperChunks - 1; c >= 0; --c) {
-    const int64_t t0 = tok0 + int64_t(c) * kChunk;  // every chunk of a full superblock has kChunk rows
-    __syncthreads();
-    stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.w16, p.H), 0, h, Ws, LT, t0, kChunk);
-    stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
-    __syncthreads();
+    const int64_t t0 = tok0 + int64_t(c) * kChunk;
+    const int set = (kSuperChunks - 1 - c) & 1;
+    const T* Kt = reinterpret_cast<const T*>(sets + set * S::tiles);
+    const __half* Ws = reinterpret_cast<const __half*>(Kt + kChunk * LT);
+    const __half* W2s = Ws + kChunk * LT;
+    __syncthreads();  // every warp is done with the other set (the previous chunk's products)
+    if (c > 0) {
+      issue(c - 1, set ^ 1);
+      cp_async_wait_group<1>();
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();  // this chunk's tiles, every thread's copies
     // ks_c[:, j0 + n] = k~_c M[j0 + n, :]^T.
     block_mm_tc<kChunk, RB, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
                                       [&](int k, int n) { return Mf[n * LM + k]; },
@@ -253,12 +276,17 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       __syncthreads();
       const float* Mc = Msc + size_t(c) * MR * K;
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
-      block_mm_tc<K, K, MR, false>([&](int r, int k) { return Mc[k * K + r]; },
-                                   [&](int k, int n) { return Rf[k * LM + n]; },
-                                   [&](int r, int n, float v) {
-                                     if constexpr (NB == 1) dP[r * K + n] += v;
-                                     else atomicAdd(dP + r * K + n, v);
-                                   });
+      if constexpr (NB == 1) {
+        block_mm_tc<K, K, MR, false>([&](int r, int k) { return Mc[k * K + r]; },
+                                     [&](int k, int n) { return Rf[k * LM + n]; },
+                                     [&](int r, int n, float v) { dP[r * K + n] += v; });
+      } else {  // the row blocks' partials: vector reductions (no barrier needed: the operands stay as they are)
+        typename TcTile<K, K>::Acc acc;
+        TcTile<K, K>::zero(acc);
+        mma_tc_acc<K, K, MR, false>(acc, [&](int r, int k) { return Mc[k * K + r]; },
+                                    [&](int k, int n) { return Rf[k * LM + n]; });
+        red_add_tile<K, K>(dP, K, acc);
+      }
       if (c == kSuperChunks - 1) break;
       load_w(c);
       stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM,
