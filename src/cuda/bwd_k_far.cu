@@ -105,13 +105,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   // Items are most work first; a CTA that finishes takes the earliest item not yet taken (not every gridDim.x-th:
   // tiles differ from one to ~T/512 superblocks of work).
   __shared__ int next_item;
-  auto take_next = [&]() {
-    __syncthreads();  // every thread has read next_item
-    if (threadIdx.x == 0) next_item = int(gridDim.x) + atomicAdd(mp.next, 1);
-    __syncthreads();
-    return next_item;
-  };
-  for (int it = blockIdx.x; it < nitems; it = take_next()) {
+  for (int it = blockIdx.x; it < nitems; it = take_item(mp.next, &next_item, int(gridDim.x))) {
     const int h = it % p.H;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
     const int kc = ch.c, sbk = kc / kSuperChunks;

@@ -485,10 +485,7 @@ __global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(Ker
   __shared__ int next;
   int* counter = p.tickets + int64_t(p.nchunks + p.nsuper) * p.H;
   for (;;) {
-    __syncthreads();  // the previous item is done with `next`
-    if (threadIdx.x == 0) next = atomicAdd(counter, 1);
-    __syncthreads();
-    const int it = next;
+    const int it = take_item(counter, &next, 0);
     if (it >= nitems) return;
     w.run(p, p.order[it / p.HQ], it % p.HQ, scratch);
   }
