@@ -149,18 +149,18 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 // stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
 constexpr int kSuperRows = 32;  // the smallest row block
 
-// M's rows, Y, and two sets of a chunk's k~, W and W2 tiles: the next chunk's load (cp.async) runs while this
-// chunk's products do.
-template <int K, int RB>
+// M's rows, Y, and a chunk's k~, W and W2 tiles; with kPf two sets of the tiles, the next chunk's loading by
+// cp.async while this chunk's products run (where the device's shared memory holds them: 207 KB at K = 128).
+template <int K, int RB, bool kPf>
 struct SuperSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
   static constexpr size_t tiles = 3 * 2 * size_t(kChunk) * LT;  // one set
-  static constexpr size_t bytes = sizeof(float) * (size_t(RB) * LM + size_t(RB) * LY) + 2 * tiles;
+  static constexpr size_t bytes = sizeof(float) * (size_t(RB) * LM + size_t(RB) * LY) + (kPf ? 2 : 1) * tiles;
 };
 
-template <typename T, int K, int RB>
+template <typename T, int K, int RB, bool kPf>
 __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p) {
-  using S = SuperSmem<K, RB>;
+  using S = SuperSmem<K, RB, kPf>;
   constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / RB;
   extern __shared__ float sm[];
   float* Mf = sm;  // rows j0 .. j0 + RB - 1 of M
@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
   const T* ktp = static_cast<const T*>(p.kt);
   T* ksp = static_cast<T*>(p.ks);
-  // Chunk c's tiles into set `set`: three groups of kTileThreads threads, one tile each (every chunk of a full
-  // superblock has kChunk rows).
+  // Chunk c's tiles into set `set` by cp.async: three groups of kTileThreads threads, one tile each (every chunk of
+  // a full superblock has kChunk rows).
   static_assert(kPrepThreads >= 3 * kTileThreads, "super_prep: one thread group per tile");
   auto issue = [&](int c, int set) {
     const int64_t row = ((tok0 + int64_t(c) * kChunk) * p.H + h) * K, stride = int64_t(p.H) * K;
@@ -189,19 +189,24 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
     cp_async_commit();
   };
   for (int idx = tid; idx < RB * K; idx += blockDim.x) Mf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
-  issue(kSuperChunks - 1, 0);
+  if constexpr (kPf) issue(kSuperChunks - 1, 0);
   for (int c = kSuperChunks - 1; c >= 0; --c) {
     const int64_t t0 = tok0 + int64_t(c) * kChunk;
-    const int set = (kSuperChunks - 1 - c) & 1;
-    const T* Kt = reinterpret_cast<const T*>(sets + set * S::tiles);
-    const __half* Ws = reinterpret_cast<const __half*>(Kt + kChunk * LT);
-    const __half* W2s = Ws + kChunk * LT;
+    const int set = kPf ? (kSuperChunks - 1 - c) & 1 : 0;
+    T* Kt = reinterpret_cast<T*>(sets + set * S::tiles);
+    __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
+    __half* W2s = Ws + kChunk * LT;
     __syncthreads();  // every warp is done with the other set (the previous chunk's products)
-    if (c > 0) {
-      issue(c - 1, set ^ 1);
-      cp_async_wait_group<1>();
+    if constexpr (kPf) {
+      if (c > 0) {
+        issue(c - 1, set ^ 1);
+        cp_async_wait_group<1>();
+      } else {
+        cp_async_wait_all();
+      }
     } else {
-      cp_async_wait_all();
+      stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.w16, p.H), 0, h, Ws, LT, t0, kChunk);
+      stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
     }
     __syncthreads();  // this chunk's tiles, every thread's copies
     // ks_c[:, j0 + n] = k~_c M[j0 + n, :]^T.
@@ -389,15 +394,18 @@ static auto with_rows(int rows, F f) {
   return f(std::integral_constant<int, kSuperRows>{});
 }
 
-size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64, 64>::bytes : SuperSmem<128, 128>::bytes; }
+// The least shared memory the superblock kernel runs with (one set of tiles).
+size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64, 64, false>::bytes : SuperSmem<128, 128, false>::bytes; }
 size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64>::bytes : SuperBwdSmem<128, 128>::bytes; }
 
 template <typename T, int K>
-static cudaError_t super_t(const KernelParams& p, int rows, cudaStream_t s) {
+static cudaError_t super_t(const KernelParams& p, int rows, int optin, cudaStream_t s) {
   return with_rows<K>(rows, [&](auto rb) {
     constexpr int RB = decltype(rb)::value;
-    return launch_with_smem(super_prep_kernel<T, K, RB>, item_head_grid(p.nsuper, p.H * (K / RB)), kPrepThreads,
-                            SuperSmem<K, RB>::bytes, s, p);
+    const dim3 grid = item_head_grid(p.nsuper, p.H * (K / RB));
+    if (SuperSmem<K, RB, true>::bytes <= size_t(optin))
+      return launch_with_smem(super_prep_kernel<T, K, RB, true>, grid, kPrepThreads, SuperSmem<K, RB, true>::bytes, s, p);
+    return launch_with_smem(super_prep_kernel<T, K, RB, false>, grid, kPrepThreads, SuperSmem<K, RB, false>::bytes, s, p);
   });
 }
 
@@ -418,13 +426,14 @@ cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int gri
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  int dev = 0, sms = 0;
+  int dev = 0, sms = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
   const int rows = super_rows(p.K, p.nsuper * p.H, false, sms);
-  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, s) : super_t<__half, 128>(p, rows, s);
-  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, s) : super_t<__nv_bfloat16, 128>(p, rows, s);
+  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, optin, s) : super_t<__half, 128>(p, rows, optin, s);
+  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, optin, s) : super_t<__nv_bfloat16, 128>(p, rows, optin, s);
 }
 
 template <typename T, int K>
