@@ -8,7 +8,10 @@
 # build backend's wheels (scikit-build-core, nanobind and their dependencies; a GPU machine without a package
 # index gets them that way: `pip download -d .whl/build scikit-build-core==1.1.2 nanobind==3.1.0`, plus
 # cmake and ninja where the machine has none). The wheel
-# is installed with the fla wheels found there into a private target directory.
+# is installed with the fla wheels found there into a private target directory. A wheel built beforehand on another
+# machine with the GPU machine's Python version (`pip wheel . -Ccmake.define.PATHATTN_CUDA=ON
+# "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"`) and put in .whl/ saves that build;
+# remove it once the tree changes (a wheel found there is used as it is).
 # Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--out DIR]
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the far-loop playgrounds
