@@ -248,18 +248,9 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
 #pragma unroll
               for (int e = 0; e < 4; ++e) d[nt][e] += xch[(4 * nt + e) * 128];
         }
-        // Lanes t4 and t4 ^ 1 hold four adjacent columns of rows g and g + 8: the even lane adds row g's four,
-        // the odd lane row g + 8's, one vector reduction each.
-        const bool odd = t4 & 1;
 #pragma unroll
-        for (int nt = 0; nt < 8 && reduce; ++nt) {
-          const float s0 = odd ? d[nt][0] : d[nt][2], s1 = odd ? d[nt][1] : d[nt][3];
-          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-          const int m = mb * 64 + 16 * (warp & 3) + g + (odd ? 8 : 0), n = nh * 64 + 8 * nt + 4 * (t4 >> 1);
-          const float v0 = odd ? r0 : d[nt][0], v1 = odd ? r1 : d[nt][1], v2 = odd ? d[nt][2] : r0,
-                      v3 = odd ? d[nt][3] : r1;
-          red_add_v4(dst + m * K + n, v0 * up, v1 * up, v2 * up, v3 * up);
-        }
+        for (int nt = 0; nt < 8 && reduce; ++nt)
+          red_add_frag_v4(dst, K, mb * 64 + 16 * (warp & 3), nh * 64 + 8 * nt, d[nt], up);
       }
     };
 

@@ -443,29 +443,37 @@ struct TcTile {
   }
 };
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One m16n8 accumulator fragment (rows r0 + g and r0 + g + 8, columns c0 + 2t and c0 + 2t + 1 of an 8-column
+// group), times `scale`, added to dst[r * ld + c] (fp32 global, rows 16-byte aligned, ld a multiple of 4) with
+// vector reductions: lanes t and t ^ 1 trade half their pairs, so that each adds four consecutive columns of one
+// row (the even lane row r0 + g, the odd lane row r0 + g + 8) with one red.global.add.v4.f32 (sm_90): a quarter
+// of the scalar atomics' operations. Every lane of the warp calls it (shuffles).
+__device__ __forceinline__ void red_add_frag_v4(float* dst, int ld, int r0, int c0, const float (&a)[4], float scale) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool odd = t & 1;
+  const float s0 = odd ? a[0] : a[2], s1 = odd ? a[1] : a[3];
+  const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1), x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+  float* row = dst + (r0 + g + (odd ? 8 : 0)) * ld + c0 + 4 * (t >> 1);
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(row), "f"((odd ? x0 : a[0]) * scale),
+               "f"((odd ? x1 : a[1]) * scale), "f"((odd ? a[2] : x0) * scale), "f"((odd ? a[3] : x1) * scale)
+               : "memory");
+}
+#endif
+
 // dst[r * ld + c] += every output of an M x N accumulator (fp32 global, rows 16-byte aligned, ld a multiple of
-// 4). On sm_90 lanes t and t ^ 1 trade half their pairs so that each adds four consecutive columns of one row
-// with one vector reduction (the even lane row r, the odd lane row r + 8): a quarter of the scalar atomics'
-// operations, which bound the superblock backward's dP adds. Elsewhere scalar atomics.
+// 4): on sm_90 a fragment at a time by red_add_frag_v4 (vector reductions, which bound the superblock backward's
+// dP adds as scalar atomics); elsewhere scalar atomics.
 template <int M, int N>
 __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile<M, N>::Acc& acc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using TT = TcTile<M, N>;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wm = warp % TT::WM, wn = warp / TT::WM;
-  const bool odd = t & 1;
+  const int warp = threadIdx.x >> 5, wm = warp % TT::WM, wn = warp / TT::WM;
 #pragma unroll
   for (int mi = 0; mi < TT::MPW; ++mi)
 #pragma unroll
-    for (int nt = 0; nt < TT::NTW; ++nt) {
-      const float* a = acc[mi][nt];
-      const float s0 = odd ? a[0] : a[2], s1 = odd ? a[1] : a[3];
-      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-      const int r = 16 * (wm + TT::WM * mi) + g + (odd ? 8 : 0), c = 8 * (wn * TT::NTW + nt) + 4 * (t >> 1);
-      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + r * ld + c),
-                   "f"(odd ? r0 : a[0]), "f"(odd ? r1 : a[1]), "f"(odd ? a[2] : r0), "f"(odd ? a[3] : r1)
-                   : "memory");
-    }
+    for (int nt = 0; nt < TT::NTW; ++nt)
+      red_add_frag_v4(dst, ld, 16 * (wm + TT::WM * mi), 8 * (wn * TT::NTW + nt), acc[mi][nt], 1.f);
 #else
   TcTile<M, N>::each(acc, [&](int r, int c, float& v) { atomicAdd(dst + r * ld + c, v); });
 #endif

@@ -231,14 +231,6 @@ __device__ __forceinline__ void frags_from_sw128(uint32_t (&f)[KT][4], const voi
   }
 }
 
-// dst[0..3] += v (fp32, 16-byte aligned global address) as one vector reduction (sm_90).
-__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
-#ifdef PA_SM90A
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-#endif
-}
-
 // ---- mbarriers and TMA.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
 #ifdef PA_SM90A
