@@ -80,6 +80,15 @@ def make_inputs(B, T, HQ, H, K, V, gate, dtype=torch.bfloat16, seed=0):
     return q, k, v, w, beta, g, do
 
 
+def make_outputs(q, k, v, w, beta, g):
+    """Empty tensors for our op's outputs: o, lse, then the gradients dq, dk, dv, dw, dbeta, dg (None without g)."""
+    B, T, HQ, _ = q.shape
+    o = torch.empty(B, T, HQ, v.shape[3], device="cuda", dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
+    grads = [torch.empty_like(x) for x in (q, k, v, w, beta)]
+    return (o, lse, *grads, torch.empty_like(g) if g is not None else None)
+
+
 def ref_fp64(q, k, v, w, beta, g, scale=None):
     """o of PaTH in fp64 by brute force: the queries are moved one Householder step at a time (SPEC.md)."""
     B, T, HQ, K = q.shape
@@ -193,11 +202,7 @@ def main():
         for T in Ts:
             B = 32768 // T
             q, k, v, w, beta, g, do = make_inputs(B, T, HQ, H, K, K, gate, seed=T)
-            o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
-            lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
-            dg = torch.empty_like(g) if g is not None else None
+            o, lse, dq, dk, dv, dw, dbeta, dg = make_outputs(q, k, v, w, beta, g)
 
             def f_ours():
                 ours_fwd(q, k, v, w, beta, g, o, lse)
@@ -283,10 +288,7 @@ def deterministic_section(lines, Ts):
         for T in Ts:
             B = 32768 // T
             q, k, v, w, beta, g, do = make_inputs(B, T, HQ, HQ, K, K, False, seed=T + 1)
-            o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
-            lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
+            o, lse, dq, dk, dv, dw, dbeta, _ = make_outputs(q, k, v, w, beta, None)
             t = {}
             for det in (False, True):
                 def fb(det=det):

@@ -40,11 +40,7 @@ def main():
     HQ = H = 2048 // K
     B = max(1, a.tokens // T)
     q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, H, K, K, a.gate, seed=T + K)
-    o = torch.empty(B, T, HQ, K, device="cuda", dtype=q.dtype)
-    lse = torch.empty(B, T, HQ, device="cuda", dtype=torch.float32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dw, dbeta = torch.empty_like(w), torch.empty_like(beta)
-    dg = torch.empty_like(g) if g is not None else None
+    o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
     gb.LIB.pathattn_cuda_pool_high_water(1)
     gb.ours_fwd(q, k, v, w, beta, g, o, lse)
     gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
