@@ -229,49 +229,90 @@ __global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p
 // carried the far gradient into dk~. Both chains are right products, so a block of rows of M and R runs on
 // its own; dP_c is then the sum over the blocks of M_c[J, :]^T R_c[J, :], added with fp32 atomics. With
 // MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation.
-template <int K, int MR>
+// With kPf two sets of a chunk's tiles, the next chunk's loading by cp.async while this chunk's products run
+// (where the device's shared memory holds them: not at MR = K = 128 on Hopper), else one, staged when needed.
+template <int K, int MR, bool kPf>
 struct SuperBwdSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
-  static constexpr size_t bytes = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM) +
-                                  3 * 2 * size_t(kChunk) * LT;
+  static constexpr size_t set = 3 * 2 * size_t(kChunk) * LT;  // a chunk's k~, W and W2 tiles
+  static constexpr size_t base = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM);
+  static constexpr bool kPrefetch = kPf;
+  static constexpr size_t bytes = base + (kPf ? 2 : 1) * set;
 };
 
-template <typename T, int K, int MR>
+template <typename T, int K, int MR, bool kPf>
 __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams p, int nitems) {
-  using S = SuperBwdSmem<K, MR>;
+  using S = SuperBwdSmem<K, MR, kPf>;
   constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / MR;
   extern __shared__ float sm[];
   float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of M (pass 1), then of R (pass 2)
   float* Yf = Rf + MR * LM;
   float* dKs = Yf + MR * LY;      // [64][LM] dks of one chunk
-  T* Kt = reinterpret_cast<T*>(dKs + kChunk * LM);
-  __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
-  __half* W2s = Ws + kChunk * LT;
+  uint8_t* sets = reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
+  auto kt_of = [&](int st) { return reinterpret_cast<T*>(sets + st * S::set); };
+  auto w_of = [&](int st) { return reinterpret_cast<__half*>(kt_of(st) + kChunk * LT); };  // W2 follows W
   float* Msc = p.sscr + size_t(blockIdx.x) * kSuperChunks * MR * K;
   const T* ktp = static_cast<const T*>(p.kt);
   const int tid = threadIdx.x;
+  // An item's chunk tiles in the order they are used, load i: pass 1's chunks kSuperChunks - 1 .. 1 (W, W2), then
+  // pass 2's 0 .. kSuperChunks - 2 (W, W2, k~); load i in set i & 1 with the prefetch, else in set 0.
+  constexpr int kPass1 = kSuperChunks - 1, kLoads = 2 * kPass1;
+  auto chunk_of = [](int i) { return i < kPass1 ? kPass1 - i : i - kPass1; };
+  auto set_of = [](int i) { return S::kPrefetch ? (i & 1) : 0; };
+  static_assert(kPrepThreads >= 3 * kTileThreads, "super_bwd: one thread group per tile");
 
   for (int it = blockIdx.x; it < nitems * NB; it += gridDim.x) {
     const int j0 = (it % NB) * MR, item = it / NB;
     const int sbi = item / p.H, h = item % p.H;
     const int c0 = p.super_first[sbi];
     const ChunkDesc ch = p.chunks[c0];
-    const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;
-    auto load_w = [&](int c) {
-      const int64_t t0 = tok0 + int64_t(c) * kChunk;
-      stage_tiles4<K>(ws_src<K>(p.w16, p.H), 0, h, Ws, LT, ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
+    const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk, stride = int64_t(p.H) * K;
+    auto row_of = [&](int c) { return ((tok0 + int64_t(c) * kChunk) * p.H + h) * K; };
+    auto issue = [&](int i) {  // prefetch: load i by cp.async, one thread group a tile, committed
+      const int64_t row = row_of(chunk_of(i));
+      __half* w = w_of(set_of(i));
+      const int grp = tid / kTileThreads, gt = tid % kTileThreads;
+      if (grp == 0) load_tile_async<K>(w, p.w16 + row, stride, kChunk, gt);
+      else if (grp == 1) load_tile_async<K>(w + kChunk * LT, p.w2h + row, stride, kChunk, gt);
+      else if (grp == 2 && i >= kPass1) load_tile_async<K>(kt_of(set_of(i)), ktp + row, stride, kChunk, gt);
+      cp_async_commit();
+    };
+    auto issue_dks = [&](int c) {  // prefetch: chunk c's dks rows (fp32) by cp.async, committed
+      const float* src = p.dks + row_of(c);
+      for (int idx = tid; idx < kChunk * K / 4; idx += blockDim.x) {
+        const int r = idx / (K / 4), col = 4 * (idx % (K / 4));
+        cp_async16(dKs + r * LM + col, src + r * stride + col, true);
+      }
+      cp_async_commit();
+    };
+    // Load i's tiles (and, in pass 2, dks) in place for this thread; callers sync before reading them. With the
+    // prefetch the copies were issued a step earlier, and the next load is in flight.
+    auto wait_load = [&](int i) {
+      if constexpr (S::kPrefetch) {
+        if (i + 1 < kLoads) cp_async_wait_group<1>();
+        else cp_async_wait_all();
+      } else {
+        const int64_t t0 = tok0 + int64_t(chunk_of(i)) * kChunk;
+        stage_tiles4<K>(ws_src<K>(p.w16, p.H), 0, h, w_of(0), LT, ws_src<K>(p.w2h, p.H), 0, h, w_of(0) + kChunk * LT,
+                        LT, t0, kChunk);
+        if (i >= kPass1)
+          stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, kt_of(0), LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM, t0, kChunk);
+      }
     };
     // ---- pass 1: M_last = I, M_{c-1} = M_c - (M_c W_c^T) W2_c, each stored to the scratch.
     __syncthreads();
+    if constexpr (S::kPrefetch) issue(0);
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
     for (int c = kSuperChunks - 1; c >= 0; --c) {
       __syncthreads();
       float* Mc = Msc + size_t(c) * MR * K;
       for (int idx = tid; idx < MR * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
       if (c == 0) break;
-      load_w(c);
+      const int i = kPass1 - c;
+      if constexpr (S::kPrefetch) issue(i + 1);  // i + 1 <= kPass1: pass 2's first load last
+      wait_load(i);
       __syncthreads();
-      right_mul_chunk_product<MR, K, LM, LY, LT>(Rf, Yf, Ws, W2s);
+      right_mul_chunk_product<MR, K, LM, LY, LT>(Rf, Yf, w_of(set_of(i)), w_of(set_of(i)) + kChunk * LT);
     }
     // ---- pass 2: R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
     __syncthreads();
@@ -279,6 +320,13 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
     for (int c = 0; c < kSuperChunks; ++c) {
       __syncthreads();
+      const int i = kPass1 + c;
+      if constexpr (S::kPrefetch) {
+        if (c < kSuperChunks - 1) {
+          issue_dks(c);
+          if (i + 1 < kLoads) issue(i + 1);
+        }
+      }
       const float* Mc = Msc + size_t(c) * MR * K;
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
       if constexpr (NB == 1) {
@@ -293,10 +341,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
         red_add_tile<K, K>(dP, K, acc);
       }
       if (c == kSuperChunks - 1) break;
-      load_w(c);
-      stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM,
-                      tok0 + int64_t(c) * kChunk, kChunk);
+      wait_load(i);
       __syncthreads();
+      const T* Kt = kt_of(set_of(i));
+      const __half* Ws = w_of(set_of(i));
+      const __half* W2s = Ws + kChunk * LT;
       block_mm_tc<MR, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
                                         [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
                                         [&](int r, int n, float v) { Yf[r * LY + n] = v; });
@@ -394,9 +443,9 @@ static auto with_rows(int rows, F f) {
   return f(std::integral_constant<int, kSuperRows>{});
 }
 
-// The least shared memory the superblock kernel runs with (one set of tiles).
+// The least shared memory the superblock kernels run with (one set of tiles).
 size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64, 64, false>::bytes : SuperSmem<128, 128, false>::bytes; }
-size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64>::bytes : SuperBwdSmem<128, 128>::bytes; }
+size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64, false>::bytes : SuperBwdSmem<128, 128, false>::bytes; }
 
 template <typename T, int K>
 static cudaError_t super_t(const KernelParams& p, int rows, int optin, cudaStream_t s) {
@@ -410,18 +459,27 @@ static cudaError_t super_t(const KernelParams& p, int rows, int optin, cudaStrea
 }
 
 template <typename T, int K>
-static cudaError_t super_bwd_t(const KernelParams& p, int rows, int grid, cudaStream_t s) {
+static cudaError_t super_bwd_t(const KernelParams& p, int rows, int grid, int optin, cudaStream_t s) {
   return with_rows<K>(rows, [&](auto mr) {
     constexpr int MR = decltype(mr)::value;
-    return launch_with_smem(super_bwd_kernel<T, K, MR>, dim3(grid), kPrepThreads, SuperBwdSmem<K, MR>::bytes, s, p,
-                            p.nsuper * p.H);
+    if (SuperBwdSmem<K, MR, true>::bytes <= size_t(optin))
+      return launch_with_smem(super_bwd_kernel<T, K, MR, true>, dim3(grid), kPrepThreads,
+                              SuperBwdSmem<K, MR, true>::bytes, s, p, p.nsuper * p.H);
+    return launch_with_smem(super_bwd_kernel<T, K, MR, false>, dim3(grid), kPrepThreads,
+                            SuperBwdSmem<K, MR, false>::bytes, s, p, p.nsuper * p.H);
   });
 }
 
 cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  if (dtype == 0) return p.K == 64 ? super_bwd_t<__half, 64>(p, rows, grid, s) : super_bwd_t<__half, 128>(p, rows, grid, s);
-  return p.K == 64 ? super_bwd_t<__nv_bfloat16, 64>(p, rows, grid, s) : super_bwd_t<__nv_bfloat16, 128>(p, rows, grid, s);
+  int dev = 0, optin = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (dtype == 0)
+    return p.K == 64 ? super_bwd_t<__half, 64>(p, rows, grid, optin, s) : super_bwd_t<__half, 128>(p, rows, grid, optin, s);
+  return p.K == 64 ? super_bwd_t<__nv_bfloat16, 64>(p, rows, grid, optin, s)
+                   : super_bwd_t<__nv_bfloat16, 128>(p, rows, grid, optin, s);
 }
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
