@@ -25,25 +25,40 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, and qtl (fp32), aloc (fp32) per query head.
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
 // 68 keep the mma fragment loads free of bank conflicts in both the [row][k] and the [k][col] patterns.
+// Shared memory fits two CTAs per SM at K = 128 (these kernels are latency-bound: a second item hides one's
+// barriers and loads): W2 is kept in fp16 (the w2h the scans use; the products that read it round it to tf32,
+// the same 10-bit mantissa), and W's fp32 tile, needed in fp32 only by the split-tf32 products A and W2, becomes
+// an fp16 tile after k~, sharing its space with the query tile of the per-head products.
 template <int K>
 struct PrepSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
-  static constexpr size_t bytes =
-      sizeof(float) * (2 * size_t(kChunk) * LW + 2 * size_t(kChunk) * LC + kChunk) + 2 * 2 * size_t(kChunk) * LT;
+  static constexpr size_t wf = sizeof(float) * kChunk * LW, wh_q = 2 * 2 * size_t(kChunk) * LT;
+  static constexpr size_t region0 = wf > wh_q ? wf : wh_q;  // W fp32, then W fp16 and Q
+  static constexpr size_t bytes = region0 + 2 * size_t(kChunk) * LT + sizeof(float) * (2 * size_t(kChunk) * LC + kChunk) +
+                                  2 * size_t(kChunk) * LT;
 };
 
+// Two CTAs per SM where the shared memory holds them (sm_90: 228 KB a SM; sm_80: 164 KB, so one at K = 128).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int prep_min_blocks(int K) { return K == 64 ? 2 : 1; }
+#else
+constexpr int prep_min_blocks(int) { return 2; }
+#endif
+
 template <typename T, int K>
-__global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
   using S = PrepSmem<K>;
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   extern __shared__ float sm[];
-  float* Wf = sm;
-  float* W2f = Wf + kChunk * LW;
-  float* R1 = W2f + kChunk * LW;
+  float* Wf = sm;                                        // region 0 until k~
+  __half* Wh = reinterpret_cast<__half*>(sm);            // region 0 after k~: W (fp16), then Q
+  T* Qs = reinterpret_cast<T*>(Wh + kChunk * LT);
+  __half* W2h = reinterpret_cast<__half*>(reinterpret_cast<uint8_t*>(sm) + S::region0);
+  float* R1 = reinterpret_cast<float*>(W2h + kChunk * LT);
   float* R2 = R1 + kChunk * LC;
   float* bs = R2 + kChunk * LC;
   T* Ks = reinterpret_cast<T*>(bs + kChunk);
-  T* Qs = Ks + kChunk * LT;
+  static_assert(S::region0 % 16 == 0 && (2 * kChunk * LT) % 16 == 0, "chunk_prep: 16-byte aligned tiles");
 
   const int2 ih = item_and_head(p.H);
   const ChunkDesc ch = p.chunks[ih.x];
@@ -72,7 +87,7 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
   PA_PROBE(3);
   // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
   block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
-      [&](int s, int d) { return Wf[s * LW + d]; }, [&](int r, int d, float v) { W2f[r * LW + d] = v; });
+      [&](int s, int d) { return Wf[s * LW + d]; }, [&](int r, int d, float v) { W2h[r * LT + d] = __float2half_rn(v); });
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
                                      [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; });
   __syncthreads();
@@ -92,9 +107,26 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
     const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
     const float4 w = *reinterpret_cast<const float4*>(Wf + r * LW + d);
-    const float4 w2 = *reinterpret_cast<const float4*>(W2f + r * LW + d);
     *reinterpret_cast<uint2*>(p.w16 + o) = make_uint2(Pack2<__half>::pack(w.x, w.y), Pack2<__half>::pack(w.z, w.w));
-    *reinterpret_cast<uint2*>(p.w2h + o) = make_uint2(Pack2<__half>::pack(w2.x, w2.y), Pack2<__half>::pack(w2.z, w2.w));
+    *reinterpret_cast<uint2*>(p.w2h + o) = *reinterpret_cast<const uint2*>(W2h + r * LT + d);
+  }
+  // W's fp32 tile -> its fp16 tile in region 0 (every thread's reads before any write).
+  {
+    constexpr int kPer = kChunk * K / 4 / kPrepThreads;
+    static_assert(kChunk * K / 4 % kPrepThreads == 0, "chunk_prep: W's conversion in whole steps");
+    float4 w[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = tid + i * kPrepThreads;
+      w[i] = *reinterpret_cast<const float4*>(Wf + (idx / (K / 4)) * LW + 4 * (idx % (K / 4)));
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = tid + i * kPrepThreads;
+      *reinterpret_cast<uint2*>(Wh + (idx / (K / 4)) * LT + 4 * (idx % (K / 4))) =
+          make_uint2(Pack2<__half>::pack(w[i].x, w[i].y), Pack2<__half>::pack(w[i].z, w[i].w));
+    }
   }
   // Per query head of the group.
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
@@ -104,12 +136,14 @@ __global__ void __launch_bounds__(kPrepThreads, K == 64 ? 2 : 1) chunk_prep_kern
     __syncthreads();
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
-    block_mm_tc<kChunk, kChunk, K, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); }, w_kc,
+    block_mm_tc<kChunk, kChunk, K, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+                                       [&](int k, int c) { return __half2float(Wh[c * LT + k]); },
                                        [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; });
     __syncthreads();
     PA_PROBE(8);
     // q~ = Q - X W2.
-    block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; }, [&](int s, int d) { return W2f[s * LW + d]; },
+    block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; },
+        [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
         [&](int r, int d, float v) {
           if (r < nq) p.qtl[((tok0 + r) * p.HQ + hq) * K + d] = to_f(Qs[r * LT + d]) - v;
         });
