@@ -17,21 +17,24 @@ namespace {
 constexpr int kThreads = kTcThreads;
 
 // kStageDA: a query head's dA_loc is staged in shared memory (dAs) rather than read from global memory inside
-// the products; chosen at launch where the device allows the larger block (not on sm_80 at K = 64).
-template <int K, bool kStageDA>
+// the products; kStageDQ (with kStageDA): its dq~ too (dQs). Chosen at launch where the device allows the larger
+// block (kStageDA: not on sm_80 at K = 64; kStageDQ: on sm_90 at K = 64).
+template <int K, bool kStageDA, bool kStageDQ = false>
 struct BwdChunkSmem {
+  static_assert(kStageDA || !kStageDQ, "dq~ is staged only with dA_loc");
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
   // Wf, W2f [64][LW] f32; Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
-  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; with kStageDA, dAs [64][LC] f32.
+  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; with kStageDA, dAs [64][LC] f32; with kStageDQ,
+  // dQs [64][LW] f32.
   static constexpr size_t bytes =
       sizeof(float) * (2 * size_t(kChunk) * LW + 6 * size_t(kChunk) * LC + 2 * kChunk) + 2 * 2 * size_t(kChunk) * LT +
-      (kStageDA ? sizeof(float) * size_t(kChunk) * LC : 0);
+      (kStageDA ? sizeof(float) * size_t(kChunk) * LC : 0) + (kStageDQ ? sizeof(float) * size_t(kChunk) * LW : 0);
   static_assert(2 * kChunk * LC >= kChunk * LW, "Xs + dXs must hold a [64][K + 4] matrix");
 };
 
-template <typename T, int K, bool kStageDA>
+template <typename T, int K, bool kStageDA, bool kStageDQ>
 __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
-  using S = BwdChunkSmem<K, kStageDA>;
+  using S = BwdChunkSmem<K, kStageDA, kStageDQ>;
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   using TK = TcTile<kChunk, K>;
   extern __shared__ float sm[];
@@ -48,6 +51,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   T* Ks = reinterpret_cast<T*>(dbs + kChunk);
   T* Qs = Ks + kChunk * LT;
   float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);  // kStageDA only
+  float* dQs = dAs + kChunk * LC;                           // kStageDQ only
   float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
   const int2 ih = item_and_head(p.H);
@@ -140,16 +144,21 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();  // D (over Xs / dXs and Qs) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
-    // Q and (kStageDA) dA_loc; rows past the end: zero.
+    // Q, (kStageDA) dA_loc and (kStageDQ) dq~; rows past the end: zero.
     stage_tile4<K>(TileSrc<T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
     if constexpr (kStageDA)
       stage_tile4<kChunk>(TileSrc<float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
                           tok0, nq);
+    if constexpr (kStageDQ)
+      stage_tile4<K>(TileSrc<float>{p.dqt, 0, int64_t(p.HQ) * K, K, true}, 0, hq, dQs, LW, tok0, nq);
     const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
     const int64_t dal_ld = int64_t(p.HQ) * kChunk;
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
     const int64_t dq_ld = int64_t(p.HQ) * K;
-    auto dQt = [&](int r, int d) { return r < nq ? dq_t[r * dq_ld + d] : 0.f; };
+    auto dQt = [&](int r, int d) {
+      if constexpr (kStageDQ) return dQs[r * LW + d];
+      else return r < nq ? dq_t[r * dq_ld + d] : 0.f;
+    };
     auto dAl = [&](int r, int c) {
       if constexpr (kStageDA) return dAs[r * LC + c];
       else return r < nq ? dal[r * dal_ld + c] : 0.f;
@@ -308,9 +317,14 @@ cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
+  const dim3 grid = item_head_grid(p.nchunks, p.H);
+  if constexpr (K == kChunk) {  // at K = 128 the two staged tiles do not fit Hopper's 227 KB
+    if (BwdChunkSmem<K, true, true>::bytes <= size_t(optin))
+      return launch_with_smem(bwd_chunk_kernel<T, K, true, true>, grid, kThreads, BwdChunkSmem<K, true, true>::bytes, s, p);
+  }
   if (BwdChunkSmem<K, true>::bytes <= size_t(optin))
-    return launch_with_smem(bwd_chunk_kernel<T, K, true>, item_head_grid(p.nchunks, p.H), kThreads, BwdChunkSmem<K, true>::bytes, s, p);
-  return launch_with_smem(bwd_chunk_kernel<T, K, false>, item_head_grid(p.nchunks, p.H), kThreads, BwdChunkSmem<K, false>::bytes, s, p);
+    return launch_with_smem(bwd_chunk_kernel<T, K, true, false>, grid, kThreads, BwdChunkSmem<K, true>::bytes, s, p);
+  return launch_with_smem(bwd_chunk_kernel<T, K, false, false>, grid, kThreads, BwdChunkSmem<K, false>::bytes, s, p);
 }
 
 }  // namespace
