@@ -288,10 +288,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
-    int dev = 0, sms = 0;
+    int dev = 0, sms = 0, optin = 0;
     PA_CU(cudaGetDevice(&dev));
     PA_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    sb_rows = super_rows(int(K), kp.nsuper * int(H), p.deterministic, sms);
+    PA_CU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    sb_rows = super_bwd_rows(int(K), kp.nsuper * int(H), p.deterministic, sms, optin);
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
     __half* qhat = nullptr;
     PA_CU(ws.alloc(&qhat, NT * HQ * K));

@@ -16,6 +16,9 @@ cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s);
 // Rows of the K x K superblock products per CTA for `items` (superblock, kv head) items: K when `whole`, else
 // halved (down to 32) while the items' row blocks leave some of the device's `sms` SMs idle.
 int super_rows(int K, int items, bool whole, int sms);
+// super_bwd's rows: super_rows, then (unless `whole`) halved while a row block's two tile sets would exceed the
+// device's shared memory per block (`optin`): the prefetching kernel over smaller blocks is the faster.
+int super_bwd_rows(int K, int items, bool whole, int sms, int optin);
 // Backward of the superblock products: dPS and dks into the chunk products' dP, in blocks of `rows` rows of the
 // products (super_rows: all K in deterministic mode; smaller blocks add into dP with atomics). Persistent grid
 // of `grid` CTAs, each with a scratch of kSuperChunks x rows x K floats (p.sscr).

@@ -477,6 +477,18 @@ static auto with_rows(int rows, F f) {
   return f(std::integral_constant<int, kSuperRows>{});
 }
 
+template <int K>
+static size_t super_bwd_two_sets(int rows) {
+  return with_rows<K>(rows, [](auto mr) { return SuperBwdSmem<K, decltype(mr)::value, true>::bytes; });
+}
+int super_bwd_rows(int K, int items, bool whole, int sms, int optin) {
+  int rows = super_rows(K, items, whole, sms);
+  if (whole) return rows;
+  while (rows > kSuperRows && (K == 64 ? super_bwd_two_sets<64>(rows) : super_bwd_two_sets<128>(rows)) > size_t(optin))
+    rows /= 2;
+  return rows;
+}
+
 // The least shared memory the superblock kernels run with (one set of tiles).
 size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64, 64, false>::bytes : SuperSmem<128, 128, false>::bytes; }
 size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64, false>::bytes : SuperBwdSmem<128, 128, false>::bytes; }
