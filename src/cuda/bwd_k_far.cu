@@ -245,29 +245,20 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       __syncwarp();
       const uint32_t n = n_q + uint32_t(j);
       mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
-      fence_regs(s);
-      fence_regs(dp);
-      fence_regs(dv);
-      fence_regs(hk);
-      fence_regs(pa);
-      fence_regs(dsa);
+      fence_regs(s, dp, dv, hk, pa, dsa);
       wg_fence();
     };
     auto acc_alone = [&](uint32_t n) {  // dv, h of item n, waited for, its stage released
       issue_acc(n);
       wg_wait<0>();
-      fence_regs(dv);
-      fence_regs(hk);
-      fence_regs(pa);
-      fence_regs(dsa);
+      fence_regs(dv, hk, pa, dsa);
       release_q(n);
     };
     auto scores_alone = [&](uint32_t n) {
       wg_fence();
       issue_sdp(n);
       wg_wait<0>();
-      fence_regs(s);
-      fence_regs(dp);
+      fence_regs(s, dp);
       pds(n);
       pack_frags<T, 4>(pa, s);
       pack_frags<T, 4>(dsa, dp);
@@ -298,15 +289,11 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           issue_sdp(n);
           issue_acc(n - 1);
           wg_wait<1>();  // S^T, dP^T of item j done; dv / h of item j - 1 may still run
-          fence_regs(s);
-          fence_regs(dp);
+          fence_regs(s, dp);
           pds(n);
           wg_wait<0>();
           release_q(n - 1);
-          fence_regs(dv);
-          fence_regs(hk);
-          fence_regs(pa);
-          fence_regs(dsa);
+          fence_regs(dv, hk, pa, dsa);
           pack_frags<T, 4>(pa, s);
           pack_frags<T, 4>(dsa, dp);
         } else {
@@ -318,10 +305,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         __syncwarp();
         if (lane == 0) mbar_arrive(kt_empty);
       }
-      fence_regs(dv);
-      fence_regs(hk);
-      fence_regs(pa);
-      fence_regs(dsa);
+      fence_regs(dv, hk, pa, dsa);
       wg_fence();
       acc_alone(n_q + uint32_t(j1) - 1);
     }

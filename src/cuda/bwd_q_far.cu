@@ -306,18 +306,13 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         __syncwarp();
         const uint32_t n = n_c + uint32_t(c);
         mbar_wait(&full[n % kQfStages], (n / kQfStages) & 1);
-        fence_regs(s);
-        fence_regs(dp);
-        fence_regs(gq);
-        fence_regs(dsa);
-        fence_regs(qa);
+        fence_regs(s, dp, gq, dsa, qa);
         wg_fence();
       };
       wait_chunk(c0);
       issue_sdp(n_c + uint32_t(c0));
       wg_wait<0>();
-      fence_regs(s);
-      fence_regs(dp);
+      fence_regs(s, dp);
       ds();
       pack_frags<T, 4>(dsa, s);
       for (int c = c0 + 1; c < c0 + kSuperChunks; ++c) {
@@ -326,18 +321,15 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         issue_sdp(n);
         issue_gq(n - 1);
         wg_wait<1>();  // S, dP of chunk c done; gq += dS ks of chunk c - 1 may still run
-        fence_regs(s);
-        fence_regs(dp);
+        fence_regs(s, dp);
         ds();
         wg_wait<0>();
         release_c(n - 1);
-        fence_regs(gq);
-        fence_regs(dsa);
+        fence_regs(gq, dsa);
         pack_frags<T, 4>(dsa, s);
       }
       const uint32_t nl = n_c + uint32_t(c0 + kSuperChunks - 1);
-      fence_regs(gq);
-      fence_regs(dsa);
+      fence_regs(gq, dsa);
       wg_fence();
       issue_gq(nl);
       wg_wait<0>();

@@ -237,10 +237,7 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     __syncwarp();
     mbar_wait(&full[c % kFarStages], uint32_t(c / kFarStages) & 1);
     if (c % kFarPerSuper == 0) cross(c);
-    fence_regs(s);
-    fence_regs(o);
-    fence_regs(pa);
-    fence_regs(qa);
+    fence_regs(s, o, pa, qa);
     wg_fence();
     issue_scores(c);
     issue_pv(c - 1);
@@ -249,13 +246,11 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     softmax(c);
     wg_wait<0>();  // P V done: o and pa are ours again
     release(c - 1);
-    fence_regs(o);
-    fence_regs(pa);
+    fence_regs(o, pa);
     scale_rows(o, alpha);
     pack_frags<T, PK>(pa, s);
   }
-  fence_regs(o);
-  fence_regs(pa);
+  fence_regs(o, pa);
   wg_fence();
   issue_pv(nfc - 1);
   wg_wait<0>();

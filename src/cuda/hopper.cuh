@@ -65,6 +65,12 @@ __device__ __forceinline__ void fence_regs(E (&d)[N][4]) {
       else asm volatile("" : "+r"(d[i][e])::"memory");
     }
 }
+// The same for several register arrays, in the order given.
+template <class A, class B, class... R>
+__device__ __forceinline__ void fence_regs(A& a, B& b, R&... rest) {
+  fence_regs(a);
+  fence_regs(b, rest...);
+}
 
 // ---- wgmma products. d (the warpgroup's 64 x N fp32 tile; this warp's 16 rows in the mma.sync C layout, N / 8
 // n-blocks) += A B, A = this warp's 16 x 16 fragment of element type E in registers (the m16n8k16 A layout), B
