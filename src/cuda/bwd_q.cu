@@ -10,7 +10,7 @@
 //          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
 // With p.qfar (bwd_q_far.cu does the far superblocks on Hopper) it runs twice: qfar = 1 writes qhat and stops;
 // qfar = 2 (after bwd_q_far) parks only the own superblock's states and starts pass 2's chain there from dqt.
-// dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 atomics, or,
+// dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 reductions, or,
 // in deterministic mode, plain adds in the order of the items (a ticket per sum: an item waits until every
 // earlier item adding into the same sum has added; the grid is persistent and takes items in order, so the
 // earliest unfinished item never waits).
@@ -170,6 +170,11 @@ struct BwdQ {
     __syncthreads();
     load_tile_async<V>(dOs, dop + ch.b * p.do_s[0] + posq0 * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nq);
     load_tile_async<V>(Vs, vp + ch.b * p.v_s[0] + posq0 * p.v_s[1] + h * p.v_s[2], p.v_s[1], nq);
+    // A_loc's rows (64 fp32 = 128 2-byte words; dXs' row pitch LX = 68 floats is that tile's K + 8 words),
+    // staged where dS will be written: each thread reads and then overwrites its own entries.
+    load_tile_async<2 * kChunk>(reinterpret_cast<__half*>(dXs),
+                                reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
+                                int64_t(p.HQ) * kChunk * 2, nq);
     cp_async_commit();
     for (int r = threadIdx.x; r < kChunk; r += blockDim.x) {
       const bool ok = r < nq;
@@ -191,8 +196,7 @@ struct BwdQ {
         for (int e = 0; e < 4; ++e) {
           const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
           float v = 0.f;
-          if (r < nq && c <= r)
-            v = fast_exp2(p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] * sl2 - Gk[c] - lse2[r]);
+          if (r < nq && c <= r) v = fast_exp2(dXs[r * LX + c] * sl2 - Gk[c] - lse2[r]);
           pr[nt][e] = v;
         }
       zero_acc(dp);
@@ -254,8 +258,9 @@ struct BwdQ {
         for (int hr = 0; hr < 2; ++hr)
           *reinterpret_cast<float2*>(gb + rr[hr] * LG + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
     };
-    // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): fp32 atomics, or, in deterministic mode,
-    // plain adds (through L2) once `ticket` says the rank earlier items have added theirs.
+    // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): vector reductions (sm_90; scalar atomics
+    // elsewhere), or, in deterministic mode, plain adds (through L2) once `ticket` says the rank earlier items
+    // have added theirs.
     auto add_outer = [&](float* dst_base, int* ticket, int rank) {
       constexpr int MT = K / 64;
       if (p.deterministic) ticket_wait(ticket, rank);
@@ -267,23 +272,25 @@ struct BwdQ {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
+          for (int nt = 0; nt < 8; ++nt) {
+            const int a0 = warp * 16 * MT + 16 * mt, b0 = n0 + 8 * nt;
+            if (p.deterministic) {
 #pragma unroll
-            for (int e = 0; e < 4; e += 2) {  // two adjacent columns per lane: one float2 atomic (sm_90)
-              const int a = warp * 16 * MT + 16 * mt + g + 8 * (e >> 1), b = n0 + 8 * nt + 2 * t4;
-              float* dst = dst_base + a * K + b;
-              if (p.deterministic) {
+              for (int e = 0; e < 4; e += 2) {
+                float* dst = dst_base + (a0 + g + 8 * (e >> 1)) * K + b0 + 2 * t4;
                 const float2 o = __ldcg(reinterpret_cast<const float2*>(dst));
                 __stcg(reinterpret_cast<float2*>(dst), make_float2(o.x + d[mt][nt][e], o.y + d[mt][nt][e + 1]));
-              } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(d[mt][nt][e], d[mt][nt][e + 1]));
-#else
-                atomicAdd(dst, d[mt][nt][e]);
-                atomicAdd(dst + 1, d[mt][nt][e + 1]);
-#endif
               }
+            } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+              red_add_frag_v4(dst_base, K, a0, b0, d[mt][nt], 1.f);  // four columns of one row per lane
+#else
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                atomicAdd(dst_base + (a0 + g + 8 * (e >> 1)) * K + b0 + 2 * t4 + (e & 1), d[mt][nt][e]);
+#endif
             }
+          }
       }
       if (p.deterministic) ticket_pass(ticket, rank);
     };
