@@ -18,18 +18,21 @@ constexpr int kThreads = kTcThreads;
 
 // kStageDA: a query head's dA_loc is staged in shared memory (dAs) rather than read from global memory inside
 // the products; kStageDQ (with kStageDA): its dq~ too (dQs). Chosen at launch where the device allows the larger
-// block (kStageDA: not on sm_80 at K = 64; kStageDQ: on sm_90 at K = 64).
+// block (kStageDA: not on sm_80 at K = 64; kStageDQ: on sm_90). At K = 64 dQs has its own region; at K = 128
+// it lies over Zs and Es, which the query heads' loop does not read: E is parked in the chunk's dP block of
+// global memory (read only before the loop) and Z recomputed after it.
 template <int K, bool kStageDA, bool kStageDQ = false>
 struct BwdChunkSmem {
   static_assert(kStageDA || !kStageDQ, "dq~ is staged only with dA_loc");
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
   // Wf, W2f [64][LW] f32; Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
-  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; with kStageDA, dAs [64][LC] f32; with kStageDQ,
-  // dQs [64][LW] f32.
+  // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; with kStageDA, dAs [64][LC] f32; with kStageDQ
+  // and K = 64, dQs [64][LW] f32 (at K = 128 over Zs, Es).
   static constexpr size_t bytes =
       sizeof(float) * (2 * size_t(kChunk) * LW + 6 * size_t(kChunk) * LC + 2 * kChunk) + 2 * 2 * size_t(kChunk) * LT +
-      (kStageDA ? sizeof(float) * size_t(kChunk) * LC : 0) + (kStageDQ ? sizeof(float) * size_t(kChunk) * LW : 0);
-  static_assert(2 * kChunk * LC >= kChunk * LW, "Xs + dXs must hold a [64][K + 4] matrix");
+      (kStageDA ? sizeof(float) * size_t(kChunk) * LC : 0) +
+      (kStageDQ && K == kChunk ? sizeof(float) * size_t(kChunk) * LW : 0);
+  static_assert(2 * kChunk * LC >= kChunk * LW, "Xs + dXs (and Zs + Es) must hold a [64][K + 4] matrix");
 };
 
 template <typename T, int K, bool kStageDA, bool kStageDQ>
@@ -51,7 +54,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   T* Ks = reinterpret_cast<T*>(dbs + kChunk);
   T* Qs = Ks + kChunk * LT;
   float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);  // kStageDA only
-  float* dQs = dAs + kChunk * LC;                           // kStageDQ only
+  constexpr bool kDQOverZE = kStageDQ && K > kChunk;  // dQs over Zs, Es (E parked, Z recomputed)
+  float* dQs = kDQOverZE ? Zs : dAs + kChunk * LC;    // kStageDQ only
   float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
   const int2 ih = item_and_head(p.H);
@@ -79,6 +83,11 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };
   auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };
   auto k_rk = [&](int r, int d) { return to_f(Ks[r * LT + d]); };
+  // Z = strict_lower(W K^T) -> Zs (before the heads' loop, and after it where dQs lay over Zs).
+  auto compute_z = [&]() {
+    block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
+                                          [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; });
+  };
   block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { Xs[r * LC + c] = c < r ? bs[r] * v : 0.f; });
   __syncthreads();
   PA_PROBE(2);
@@ -88,8 +97,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? Es[r * LC + s] * bs[s] : 0.f; },
                                        [&](int s, int d) { return Wf[s * LW + d]; },
                                        [&](int r, int d, float v) { W2f[r * LW + d] = v; });
-  block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
-                                        [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; });
+  compute_z();
   __syncthreads();
   PA_PROBE(4);
   block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
@@ -137,6 +145,16 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     mma_tc_acc<kChunk, K, K, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
     mma_tc_acc<kChunk, K, K, false>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
                                     [&](int k, int a) { return -Dm[a * K + k]; });
+  }
+
+  // E parked in this chunk's dP block (D's rows were staged before the barrier above; nothing reads dP after
+  // this kernel). Each thread reads back below what it writes here.
+  float* Epark = p.dP + (int64_t(ci) * p.H + h) * K * K;
+  if constexpr (kDQOverZE) {
+    for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
+      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
+      *reinterpret_cast<float4*>(Epark + r * kChunk + c) = *reinterpret_cast<const float4*>(Es + r * LC + c);
+    }
   }
 
   // ---- per query head: dq, and the X / A_loc terms.
@@ -192,6 +210,13 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
   __syncthreads();
   PA_PROBE(9);
+  if constexpr (kDQOverZE) {  // E back from its parking place, Z recomputed (synchronised before dE below)
+    for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
+      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
+      *reinterpret_cast<float4*>(Es + r * LC + c) = *reinterpret_cast<const float4*>(Epark + r * kChunk + c);
+    }
+    compute_z();
+  }
 
   // ---- dv = off-diagonal part + diagonal parts of every query head of the group, 4 elements a step (dvk and
   // dvdiag are fp32 workspace rows, 16-byte aligned), every load of a thread before its stores.
@@ -318,10 +343,8 @@ cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
   const dim3 grid = item_head_grid(p.nchunks, p.H);
-  if constexpr (K == kChunk) {  // at K = 128 the two staged tiles do not fit Hopper's 227 KB
-    if (BwdChunkSmem<K, true, true>::bytes <= size_t(optin))
-      return launch_with_smem(bwd_chunk_kernel<T, K, true, true>, grid, kThreads, BwdChunkSmem<K, true, true>::bytes, s, p);
-  }
+  if (BwdChunkSmem<K, true, true>::bytes <= size_t(optin))
+    return launch_with_smem(bwd_chunk_kernel<T, K, true, true>, grid, kThreads, BwdChunkSmem<K, true, true>::bytes, s, p);
   if (BwdChunkSmem<K, true>::bytes <= size_t(optin))
     return launch_with_smem(bwd_chunk_kernel<T, K, true, false>, grid, kThreads, BwdChunkSmem<K, true>::bytes, s, p);
   return launch_with_smem(bwd_chunk_kernel<T, K, false, false>, grid, kThreads, BwdChunkSmem<K, false>::bytes, s, p);

@@ -85,7 +85,13 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
 
-  // Diagonal chunk.
+  // Diagonal chunk. Its A_loc rows (64 fp32 = 128 2-byte words a row, pitch 68 floats) are staged in the
+  // transport region, free until the loop's first barrier, with the chunk's keys and values.
+  constexpr int LA = kChunk + 4;
+  static_assert(size_t(kChunk) * LA * 4 <= 2 * size_t(kChunk) * LK * sizeof(__half), "A_loc over Ws, W2s");
+  const float* As = reinterpret_cast<const float*>(Ws);
+  load_tile_async<2 * kChunk>(Ws, reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
+                              int64_t(p.HQ) * kChunk * 2, nq);
   load_chunk(qc, 0, nq);
   cp_async_wait_all();
   __syncthreads();
@@ -99,7 +105,7 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
         const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
         float val;
         if (r < nq) {
-          val = c <= r ? p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] * sl2 + Gq[e >> 1] - Gk[c] * gl2 : -INFINITY;
+          val = c <= r ? As[r * LA + c] * sl2 + Gq[e >> 1] - Gk[c] * gl2 : -INFINITY;
         } else {
           val = c == 0 ? 0.f : -INFINITY;  // padding rows: finite, never stored
         }
