@@ -24,7 +24,9 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   A_loc = tril_incl(Q K^T - X U).
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, and qtl (fp32), aloc (fp32) per query head.
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
-// 68 keep the mma fragment loads free of bank conflicts in both the [row][k] and the [k][col] patterns.
+// 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
+// [k][col] reads (B operands as stored) are 2-way (measured: ~20% of the chunk kernels' shared wavefronts are
+// conflicts, dev/cuda/NOTES.md v3.21); the 16-bit tiles (K + 8) are free in both patterns.
 // Shared memory fits two CTAs per SM at K = 128 (these kernels are latency-bound: a second item hides one's
 // barriers and loads): W2 is kept in fp16 (the w2h the scans use; the products that read it round it to tf32,
 // the same 10-bit mantissa), and W's fp32 tile, needed in fp32 only by the split-tf32 products A and W2, becomes
