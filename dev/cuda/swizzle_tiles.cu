@@ -134,29 +134,16 @@ void run_case(int blocks, int reps, int pad_kb) {
     for (size_t i = 0; i < n1; ++i) differ[v] += std::memcmp(&h1[0][i], &h1[v][i], 4) != 0;
     for (size_t i = 0; i < n2; ++i) differ[v] += std::memcmp(&h2[0][i], &h2[v][i], 4) != 0;
   }
-  double num1 = 0, den1 = 0, num2 = 0, den2 = 0;
-  for (int b = 0; b < 4; ++b) {
-    const float* E = &hE[size_t(b) * kM * kM];
-    const float* T = &hT[size_t(b) * kM * K];
-    const float* G = &hG[size_t(b) * K * kM];
-    for (int r = 0; r < kM; ++r) {
-      for (int n = 0; n < K; ++n) {
-        double s = 0;
-        for (int k = 0; k < kM; ++k) s += double(E[r * kM + k]) * double(T[k * K + n]);
-        const double d = double(h1[0][(size_t(b) * kM + r) * K + n]) - s;
-        num1 += d * d;
-        den1 += s * s;
-      }
-      for (int n = 0; n < kM; ++n) {
-        double s = 0;
-        for (int k = 0; k < K; ++k) s += double(T[r * K + k]) * double(G[k * kM + n]);
-        const double d = double(h2[0][(size_t(b) * kM + r) * kM + n]) - s;
-        num2 += d * d;
-        den2 += s * s;
-      }
-    }
-  }
-  const double rel1 = std::sqrt(num1 / den1), rel2 = std::sqrt(num2 / den2), bound = 2e-3;
+  // P1 = E T, P2 = T G on the first four CTAs (operands row-major per CTA).
+  const double rel1 = dev::rel_l2_products(
+      4, K, kM, [&](int b, int r, int n) { return h1[0][(size_t(b) * kM + r) * K + n]; },
+      [&](int b, int r, int k) { return hE[(size_t(b) * kM + r) * kM + k]; },
+      [&](int b, int k, int n) { return hT[(size_t(b) * kM + k) * K + n]; });
+  const double rel2 = dev::rel_l2_products(
+      4, kM, K, [&](int b, int r, int n) { return h2[0][(size_t(b) * kM + r) * kM + n]; },
+      [&](int b, int r, int k) { return hT[(size_t(b) * kM + r) * K + k]; },
+      [&](int b, int k, int n) { return hG[(size_t(b) * K + k) * kM + n]; });
+  const double bound = 2e-3;
   const bool ok = differ[1] == 0 && differ[2] == 0 && rel1 <= bound && rel2 <= bound;
 
   float t[3];

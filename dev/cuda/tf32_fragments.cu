@@ -95,18 +95,10 @@ void run_case(int blocks, int reps, int pad_kb) {
   double rel[3];
   for (int v = 0; v < 3; ++v) {
     for (size_t i = 0; i < nout; ++i) differ[v] += std::memcmp(&h[0][i], &h[v][i], 4) != 0;
-    double num = 0, den = 0;
-    for (int b = 0; b < 4; ++b)
-      for (int r = 0; r < kM; ++r)
-        for (int n = 0; n < N; ++n) {
-          double s = 0;
-          for (int k = 0; k < KD; ++k)
-            s += double(hA[(size_t(b) * kM + r) * KD + k]) * double(hB[(size_t(b) * N + n) * KD + k]);
-          const double d = double(h[v][(size_t(b) * kM + r) * N + n]) - s;
-          num += d * d;
-          den += s * s;
-        }
-    rel[v] = std::sqrt(num / den);
+    rel[v] = dev::rel_l2_products(
+        4, N, KD, [&](int b, int r, int n) { return h[v][(size_t(b) * kM + r) * N + n]; },
+        [&](int b, int r, int k) { return hA[(size_t(b) * kM + r) * KD + k]; },
+        [&](int b, int k, int n) { return hB[(size_t(b) * N + n) * KD + k]; });
   }
   const double bound = kX3 ? 1e-5 : 2e-3;
   const bool ok = differ[1] == 0 && (kX3 || differ[2] == 0) && rel[0] <= bound && rel[1] <= bound && rel[2] <= bound;

@@ -72,6 +72,23 @@ float median_ms(F f, int runs) {
   return ms[ms.size() / 2];
 }
 
+// Relative L2 error of the first `ctas` CTAs' 64 x N products against fp64 sums over KD: got(b, r, n) the
+// product's entry, a(b, r, k) and bm(b, k, n) the operands' (b: the CTA).
+template <class G, class A, class B>
+double rel_l2_products(int ctas, int N, int KD, G got, A a, B bm) {
+  double num = 0, den = 0;
+  for (int b = 0; b < ctas; ++b)
+    for (int r = 0; r < 64; ++r)
+      for (int n = 0; n < N; ++n) {
+        double s = 0;
+        for (int k = 0; k < KD; ++k) s += double(a(b, r, k)) * double(bm(b, k, n));
+        const double d = double(got(b, r, n)) - s;
+        num += d * d;
+        den += s * s;
+      }
+  return std::sqrt(num / den);
+}
+
 template <int N, int KD, bool kSplit, bool kPre>
 __device__ __forceinline__ void mma_nt(typename TcTile<64, N>::Acc& acc, const float* A, int lda, const float* B,
                                        int ldb) {
