@@ -14,8 +14,8 @@
 # remove it once the tree changes (a wheel found there is used as it is).
 # Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--out DIR]
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
-#   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the far-loop playgrounds
-#   (dev/cuda/far_tiling.cu, far_bwd.cu: each version alone, self-checking; prebuilt in DIR or built with nvcc).
+#   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
+#   far_bwd.cu: each version alone; swizzle_tiles.cu: once; self-checking; prebuilt in DIR or built with nvcc).
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
@@ -94,9 +94,10 @@ fi
 
 if [ "$PLAY" = 1 ]; then
   # The far-loop playgrounds, one process per version (a wrong descriptor or barrier parity faults or traps and
-  # must not take the other versions with it).
-  echo "== far-loop playgrounds"
-  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0; do
+  # must not take the other versions with it); a program without a version list (swizzle_tiles: the chunk
+  # kernels' fp32 tile layouts) runs once with its defaults.
+  echo "== playgrounds"
+  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0 swizzle_tiles:; do
     name=${prog%%:*} vers=${prog#*:}
     exe=$BUILD/$name
     if [ ! -x "$exe" ] && command -v nvcc > /dev/null; then
@@ -104,6 +105,11 @@ if [ "$PLAY" = 1 ]; then
         && exe=$OUTDIR/$name
     fi
     if [ ! -x "$exe" ]; then echo "$name: not built (no nvcc)"; status=1; continue; fi
+    if [ -z "$vers" ]; then
+      timeout 300 "$exe" 2>&1 | tee -a "$OUTDIR/$name.txt" | tail -5
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      continue
+    fi
     for v in ${vers//,/ }; do
       # "vw" alone would also select vw2 .. vw7: a version name is followed by a blank in the programs' tables.
       timeout 300 "$exe" "$v " 2>&1 | grep -vE "^all checks|^CHECK FAILED" | tee -a "$OUTDIR/$name.txt" | tail -1
