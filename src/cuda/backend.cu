@@ -17,9 +17,8 @@ namespace pathattn::cuda {
 namespace {
 
 Status check_smem(size_t need, const char* what) {
-  int dev = 0, optin = 0;
-  PA_CU(cudaGetDevice(&dev));
-  PA_CU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  int optin = 0;
+  PA_CU(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin));
   if (need > size_t(optin)) {
     return unsupported(std::string("device: the cuda ") + what + " kernel needs " + std::to_string(need) +
                        " bytes of shared memory per block at this head dim; this device allows " + std::to_string(optin));
@@ -288,10 +287,9 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
-    int dev = 0, sms = 0, optin = 0;
-    PA_CU(cudaGetDevice(&dev));
-    PA_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    PA_CU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    int sms = 0, optin = 0;
+    PA_CU(device_attr(cudaDevAttrMultiProcessorCount, &sms));
+    PA_CU(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin));
     sb_rows = super_bwd_rows(int(K), kp.nsuper * int(H), p.deterministic, sms, optin);
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
     __half* qhat = nullptr;

@@ -338,9 +338,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
 
 template <typename T, int K>
 cudaError_t run_t(const KernelParams& p, cudaStream_t s) {
-  int dev = 0, optin = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  int optin = 0;
+  const cudaError_t e = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin);
   if (e != cudaSuccess) return e;
   const dim3 grid = item_head_grid(p.nchunks, p.H);
   if (BwdChunkSmem<K, true, true>::bytes <= size_t(optin))

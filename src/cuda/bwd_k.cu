@@ -391,10 +391,9 @@ cudaError_t run_t(const KernelParams& p, int grid, cudaStream_t s) {
 template <typename T, int K, int V>
 int grid_t() {
   if (set_attr<T, K, V>() != cudaSuccess) return 0;
-  int nb = 0, dev = 0, sms = 0;
+  int nb = 0, sms = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_k_kernel<T, K, V>, kBwdThreads, BwdKSmem<K, V>::bytes);
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  device_attr(cudaDevAttrMultiProcessorCount, &sms);
   return nb * sms;
 }
 

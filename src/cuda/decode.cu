@@ -11,6 +11,7 @@
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/host_util.h"
+#include "cuda/launchers.h"
 
 namespace pathattn::cuda {
 namespace {
@@ -354,9 +355,8 @@ __global__ void decode_merge_kernel(DecodeArgs a) {
 
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots) {
   PA_TRY(check_support(pr, p.fwd.q.dtype));
-  int dev = 0, optin = 0;
-  PA_CU(cudaGetDevice(&dev));
-  PA_CU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  int optin = 0;
+  PA_CU(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin));
   const size_t smem = pr.path ? walk_smem(int(pr.K)) : 0;
   if (smem > size_t(optin)) {
     return unsupported("device: the cuda prefill kernel needs " + std::to_string(smem) +

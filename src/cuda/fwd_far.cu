@@ -310,9 +310,8 @@ bool far_device_ok(size_t smem) {
 }
 
 int far_grid(int64_t items) {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 0;
+  int sms = 0;
+  if (device_attr(cudaDevAttrMultiProcessorCount, &sms) != cudaSuccess) return 0;
   return int(std::min<int64_t>(items, sms));
 }
 

@@ -8,6 +8,13 @@
 
 namespace pathattn::cuda {
 
+// Attribute `a` of the current device into *v (the launchers' shared-memory and SM-count checks).
+inline cudaError_t device_attr(cudaDeviceAttr a, int* v) {
+  int dev = 0;
+  const cudaError_t e = cudaGetDevice(&dev);
+  return e != cudaSuccess ? e : cudaDeviceGetAttribute(v, a, dev);
+}
+
 // dtype code of q/k/v: 0 = fp16, 1 = bf16.
 // Per (chunk, kv head): UT transform in fp32; writes w16, w2h, kt and per query head qtl, aloc.
 cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s);

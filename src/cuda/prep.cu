@@ -520,9 +520,8 @@ static cudaError_t super_bwd_t(const KernelParams& p, int rows, int grid, int op
 
 cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  int dev = 0, optin = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  int optin = 0;
+  const cudaError_t e = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin);
   if (e != cudaSuccess) return e;
   if (dtype == 0)
     return p.K == 64 ? super_bwd_t<__half, 64>(p, rows, grid, optin, s) : super_bwd_t<__half, 128>(p, rows, grid, optin, s);
@@ -532,10 +531,9 @@ cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int gri
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  int dev = 0, sms = 0, optin = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  int sms = 0, optin = 0;
+  cudaError_t e = device_attr(cudaDevAttrMultiProcessorCount, &sms);
+  if (e == cudaSuccess) e = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin);
   if (e != cudaSuccess) return e;
   const int rows = super_rows(p.K, p.nsuper * p.H, false, sms);
   if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, optin, s) : super_t<__half, 128>(p, rows, optin, s);
