@@ -95,9 +95,9 @@ fi
 if [ "$PLAY" = 1 ]; then
   # The far-loop playgrounds, one process per version (a wrong descriptor or barrier parity faults or traps and
   # must not take the other versions with it); a program without a version list (swizzle_tiles: the chunk
-  # kernels' fp32 tile layouts) runs once with its defaults.
+  # kernels' fp32 tile layouts; inverse: their triangular inverse) runs once with its defaults.
   echo "== playgrounds"
-  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0 swizzle_tiles:; do
+  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0 swizzle_tiles: inverse:; do
     name=${prog%%:*} vers=${prog#*:}
     exe=$BUILD/$name
     if [ ! -x "$exe" ] && command -v nvcc > /dev/null; then

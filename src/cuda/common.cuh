@@ -659,46 +659,56 @@ __device__ __forceinline__ void warp_store_c(float* dst, int ld, const float (&a
 }
 
 // E = (I + A)^-1 for a 64 x 64 strictly lower A (ld lda), written to E (ld lde); every thread of a kTcThreads
-// block calls it, and it ends with a barrier. The four 16 x 16 diagonal blocks by forward substitution (4
-// lanes per column, 15 dependent steps, no barrier), then two doubling levels, each
+// block calls it, and it ends with a barrier. The four 16 x 16 diagonal blocks in registers, one thread a
+// column (threads 0..63: right-looking substitution, 120 fmas on a 15-step critical path, no shuffles), while
+// the other warps zero the blocks above the diagonal. Then two doubling levels, each
 //   [E11 0; E21 E22] with E21 = -E22 (A21 E11)
-// over 32 x 32 (two 16 x 16 blocks) and then 64 x 64 (one 32 x 32 block): split tf32 warp products, one warp
-// per 8-column strip of E21 (the strip of A21 E11 it needs is its own, parked in E21's place): four warps
-// per level, no barrier inside a level.
+// in split tf32 warp products: level 1 (16 -> 32) in the same two warps (blocks 0 and 1 are warp 0's columns,
+// blocks 2 and 3 warp 1's: a syncwarp, no CTA barrier), level 2 (rows 32..63, columns 0..31) on four warps,
+// one 8-column strip each (the strip of A21 E11 it needs is its own, parked in E21's place). Two barriers.
 __device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, float* E, int lde) {
   const int tid = threadIdx.x, warp = tid >> 5;
-  for (int idx = tid; idx < 64 * 64; idx += kTcThreads) {
-    const int r = idx >> 6, c = idx & 63;
-    if (r <= c) E[r * lde + c] = r == c ? 1.f : 0.f;
-  }
-  __syncthreads();
-  if (tid < 256) {  // diagonal blocks: a warp's 8 columns share one block, so the trip count is warp-uniform
-    const int c = tid >> 2, part = tid & 3, b0 = c & ~15;
-    for (int r = b0 + 1; r < b0 + 16; ++r) {
-      float s = 0.f;
-      if (r > c)
-        for (int t = c + part; t < r; t += 4) s = fmaf(A[r * lda + t], E[t * lde + c], s);
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (r > c && part == 0) E[r * lde + c] = -s;
-      __syncwarp();
+  if (tid < 64) {
+    const int c = tid, b0 = c & ~15, j = c & 15;
+    float e[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) e[r] = r == j ? 1.f : 0.f;
+    // Column j of the block's inverse: e[r] -= A[r][t] e[t] for t < r, t ascending (e[t] = 0 for t < j).
+#pragma unroll
+    for (int t = 0; t < 15; ++t) {
+      const float* At = A + b0 * lda + b0 + t;
+#pragma unroll
+      for (int r = t + 1; r < 16; ++r) e[r] = fmaf(-At[r * lda], e[t], e[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) E[(b0 + r) * lde + c] = e[r];
+    __syncwarp();
+    // Level 1: warp w's block pair (2w, 2w + 1): E21 (16 x 16) as two 8-column strips.
+    const int d0 = 32 * warp, r0 = d0 + 16;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int c0 = d0 + 8 * s;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      warp_mma_f32x3<16>(acc, A + r0 * lda + d0, lda, E + d0 * lde + c0, lde);
+      warp_store_c(E + r0 * lde + c0, lde, acc, 1.f);
+    }
+    __syncwarp();
+    float e21[2][4] = {};
+#pragma unroll
+    for (int s = 0; s < 2; ++s) warp_mma_f32x3<16>(e21[s], E + r0 * lde + r0, lde, E + r0 * lde + d0 + 8 * s, lde);
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < 2; ++s) warp_store_c(E + r0 * lde + d0 + 8 * s, lde, e21[s], -1.f);
+  } else {
+    // Zeros above the diagonal blocks: rows of block rb, columns of the blocks right of it.
+    for (int idx = tid - 64; idx < 6 * 256; idx += kTcThreads - 64) {
+      const int blk = idx >> 8, rb = blk < 3 ? 0 : blk < 5 ? 1 : 2, cb = blk < 3 ? blk + 1 : blk < 5 ? blk - 1 : 3;
+      const int r = 16 * rb + ((idx >> 4) & 15), c = 16 * cb + (idx & 15);
+      E[r * lde + c] = 0.f;
     }
   }
   __syncthreads();
-  // Level 1: blocks (1, 0) and (3, 2) of 16 x 16, two 8-column strips each. Level 2: rows 32..63, columns
-  // 0..31, four strips of 32 rows (two 16-row C fragments).
-  if (warp < 4) {
-    const int d0 = 32 * (warp >> 1), r0 = d0 + 16, c0 = d0 + 8 * (warp & 1);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    warp_mma_f32x3<16>(acc, A + r0 * lda + d0, lda, E + d0 * lde + c0, lde);
-    warp_store_c(E + r0 * lde + c0, lde, acc, 1.f);
-    __syncwarp();
-    float e21[4] = {0.f, 0.f, 0.f, 0.f};
-    warp_mma_f32x3<16>(e21, E + r0 * lde + r0, lde, E + r0 * lde + c0, lde);
-    __syncwarp();
-    warp_store_c(E + r0 * lde + c0, lde, e21, -1.f);
-  }
-  __syncthreads();
+  // Level 2: rows 32..63, columns 0..31, four strips of 32 rows (two 16-row C fragments).
   if (warp < 4) {
     const int c0 = 8 * warp;
     float acc[2][4] = {};
