@@ -138,7 +138,8 @@ void run(int T, int H) {
   CK(cudaDeviceSynchronize());
   report("bwd_chunk", {"load K, W, beta", "A (split tf32)", "E = (I + A)^-1", "W2 (split), Z", "U, stage dk~",
                        "dW2 -= W dP; dW -= W2 dP^T + U dk~; dU", "load Q", "X; dX (dq~, dA_loc from global)",
-                       "dq; dK, dW, dW2 sums; dU", "dv, stage dW2", "dE, dZb", "dbeta, dW, dK, dWb, M1", "dA",
+                       "dq; dK, dW, dW2 sums; dU", "E back, Z (K = 128), stage dW2", "dE, dZb",
+                       "dbeta, dW, dK, dWb, M1", "dA",
                        "Gram, dW, dbeta", "outputs (thread 0's end)"},
          nctas, probe_table_bwd_chunk, t_bwd, smem_bwd_chunk(K), clock_khz);
   void* bufs[] = {q, k, v, w, beta, dch, kp.w16, kp.w2h, kp.kt, kp.qtl, kp.aloc, kp.dP, kp.dkt, kp.dqt,

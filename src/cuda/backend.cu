@@ -276,7 +276,6 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   PA_CU(ws.alloc(&kp.dvdiag, NT * HQ * V));
   PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
   PA_CU(ws.alloc(&kp.dkt, NT * H * K));
-  PA_CU(ws.alloc(&kp.dvk, NT * H * V));
   if (pr.gate) {
     PA_CU(ws.alloc(&kp.dgrow, NT * HQ));
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
@@ -351,6 +350,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, kpark, int(K)));
     PA_TRY(upload_table(ws, kfar_tiles, &kfar_dev));
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
+    PA_CU(ws.alloc(&kp.dvk, NT * H * V));  // the far part of dv, for bwd_k
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;

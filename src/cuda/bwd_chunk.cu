@@ -5,7 +5,7 @@
 //   A = strict_lower(diag(b) W W^T), E = (I + A)^-1, W2 = E diag(b) W, Z = strict_lower(W K^T),
 //   U = E diag(b) Z, k~ = K - U^T W, P = I - W^T W2, X = tril_incl(Q W^T), q~ = Q - X W2,
 //   A_loc = tril_incl(Q K^T - X U)
-// to dq, dk, dw, dbeta (dE -> dA = -E^T dE E^T on the strict lower triangle), and sums dv.
+// to dq, dk, dw, dbeta (dE -> dA = -E^T dE E^T on the strict lower triangle). (dv is bwd_k's.)
 // The 64 x K gradients dW, dK, dW2 accumulate in registers (every product of one shape gives a thread the
 // same outputs: TcTile). Sums run in a fixed order inside the CTA: deterministic.
 #include "cuda/common.cuh"
@@ -216,45 +216,6 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       *reinterpret_cast<float4*>(Es + r * LC + c) = *reinterpret_cast<const float4*>(Epark + r * kChunk + c);
     }
     compute_z();
-  }
-
-  // ---- dv = off-diagonal part + diagonal parts of every query head of the group, 4 elements a step (dvk and
-  // dvdiag are fp32 workspace rows, 16-byte aligned), every load of a thread before its stores.
-  {
-    T* dvp = static_cast<T*>(p.dv);
-    const bool dvvec = vec4_ok(dvp, p.dv_s[0], p.dv_s[1], p.dv_s[2]);
-    const int vq = p.V / 4;
-    constexpr int kG = kChunk * (128 / 4) / kThreads;  // covers V <= 128
-    float4 acc[kG];
-#pragma unroll
-    for (int i = 0; i < kG; ++i) {
-      const int idx = tid + i * kThreads, j = idx / vq, e = 4 * (idx % vq);
-      acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (j < nq) {
-        acc[i] = *reinterpret_cast<const float4*>(p.dvk + ((tok0 + j) * p.H + h) * p.V + e);
-        for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-          const float4 d = *reinterpret_cast<const float4*>(p.dvdiag + ((tok0 + j) * p.HQ + hq) * p.V + e);
-          acc[i].x += d.x;
-          acc[i].y += d.y;
-          acc[i].z += d.z;
-          acc[i].w += d.w;
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kG; ++i) {
-      const int idx = tid + i * kThreads, j = idx / vq, e = 4 * (idx % vq);
-      if (j >= nq) continue;
-      T* dst = dvp + ch.b * p.dv_s[0] + (pos0 + j) * p.dv_s[1] + h * p.dv_s[2] + e;
-      if (dvvec) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(Pack2<T>::pack(acc[i].x, acc[i].y), Pack2<T>::pack(acc[i].z, acc[i].w));
-      } else {
-        dst[0] = from_f<T>(acc[i].x);
-        dst[1] = from_f<T>(acc[i].y);
-        dst[2] = from_f<T>(acc[i].z);
-        dst[3] = from_f<T>(acc[i].w);
-      }
-    }
   }
 
   // ---- through the UT transform.

@@ -8,7 +8,8 @@
 //          their superblock's start) and q~_qc . kt^(qc) for those of the own superblock, accumulates
 //          dv += P^T dO (direct) and the key adjoint h = sum_hq scale dS^T q + h PS_a (or h P_qc) (tf32);
 //          h at the own superblock's end is dks (far queries only, for the superblock products' gradient),
-//          and the chain ends with dk~ = h_{kc+1}.
+//          and the chain ends with dk~ = h_{kc+1}; dv is final here: the diagonal chunk's part of each query
+//          head (bwd_q's dvdiag) is added before the store.
 // With p.kfar, bwd_k_far.cu did the far superblocks (on Hopper): pass 1 stops at the own superblock's end and
 // pass 2 starts from its h (dks) and dv.
 // Every output row belongs to this CTA alone: no atomics, deterministic in every mode. A warp owns 16 key
@@ -356,9 +357,35 @@ struct BwdK {
       if (qc < last) chain_chunk();  // h <- h P_qc = h - (h W^T) W2 (own rows)
       query_chunk(qc, Ss, false, true);
     }
-    // ---- outputs: dk~ = h_{kc+1}, dv (off-diagonal part, summed over the group).
+    // ---- outputs: dk~ = h_{kc+1}; dv = the off-diagonal part (summed over the group) plus each query head's
+    // diagonal part (dvdiag, complete: bwd_q ran before), added in head order (a fixed order: deterministic).
     store_rows(p.dkt + (tokk0 * p.H + h) * K, hk);
-    store_rows(p.dvk + (tokk0 * p.H + h) * V, dv);
+    T* dvp = static_cast<T*>(p.dv);
+    const bool dvvec = vec4_ok(dvp, p.dv_s[0], p.dv_s[1], p.dv_s[2]);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = rr[hr];
+      if (r >= nk) continue;
+      for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
+        const float* src = p.dvdiag + ((tokk0 + r) * p.HQ + hq) * V + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < V / 8; ++nt) {
+          const float2 d = *reinterpret_cast<const float2*>(src + 8 * nt);
+          dv[nt][2 * hr] += d.x;
+          dv[nt][2 * hr + 1] += d.y;
+        }
+      }
+      T* dst = dvp + ch.b * p.dv_s[0] + (posk0 + r) * p.dv_s[1] + h * p.dv_s[2] + 2 * t4;
+#pragma unroll
+      for (int nt = 0; nt < V / 8; ++nt) {
+        if (dvvec) {
+          *reinterpret_cast<uint32_t*>(dst + 8 * nt) = Pack2<T>::pack(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+        } else {
+          dst[8 * nt] = from_f<T>(dv[nt][2 * hr]);
+          dst[8 * nt + 1] = from_f<T>(dv[nt][2 * hr + 1]);
+        }
+      }
+    }
   }
 };
 

@@ -84,12 +84,12 @@ struct KernelParams {
   // Backward workspace.
   float* delta;     // [NT, HQ]     rowsum(dO * O)
   float* dqt;       // [NT, HQ, K]  gradient w.r.t. the chunk-start queries
-  float* dvdiag;    // [NT, HQ, V]  diagonal-chunk P^T dO per query head
+  float* dvdiag;    // [NT, HQ, V]  diagonal-chunk P^T dO per query head (bwd_k adds it into dv)
   float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns)
   float* dgcol;     // [NT, HQ]     gate-gradient terms of off-diagonal key columns
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
-  float* dvk;       // [NT, H, V]   off-diagonal P^T dO summed over the group
+  float* dvk;       // [NT, H, V]   the far superblocks' P^T dO summed over the group (bwd_k_far; else null)
   __half* scratch;  // [grid, scratch_slots, C, K] per-CTA transported states (memory-linear in T)
   // Two-level backward (full superblocks; PaTH only).
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
