@@ -15,7 +15,8 @@
 # Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--out DIR]
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
-#   far_bwd.cu: each version alone; swizzle_tiles.cu: once; self-checking; prebuilt in DIR or built with nvcc).
+#   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu: once; self-checking; prebuilt in DIR or built
+#   with nvcc).
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
