@@ -45,6 +45,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+// Two adjacent 16-bit elements (4-byte aligned) as floats.
+__device__ __forceinline__ float2 pair_f(const __half* x) { return __half22float2(*reinterpret_cast<const __half2*>(x)); }
+__device__ __forceinline__ float2 pair_f(const __nv_bfloat16* x) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x));
+}
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
@@ -216,11 +221,11 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
 }
 
 // tf32 warp tile with A from registers: a warp's 16 x (8 KT) fp32 tile `src` (C layout, KT n-tiles) times B
-// (fp16 in shared memory, exact in tf32; TB as in warp_mma_ss), accumulated into acc. The C layout gives a lane
-// columns 2t, 2t + 1 of each 8-column block where the tf32 A fragment wants t, t + 4, so the inner index runs
-// permuted within each block of 8 (t <-> 2t, t + 4 <-> 2t + 1) in both operands: the same sum, no shuffles.
-template <int KT, int NT, bool TB>
-__device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const float (&src)[KT][4], const __half* B,
+// (fp16 or bf16 in shared memory, exact in tf32; TB as in warp_mma_ss), accumulated into acc. The C layout gives
+// a lane columns 2t, 2t + 1 of each 8-column block where the tf32 A fragment wants t, t + 4, so the inner index
+// runs permuted within each block of 8 (t <-> 2t, t + 4 <-> 2t + 1) in both operands: the same sum, no shuffles.
+template <int KT, int NT, bool TB, typename E>
+__device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const float (&src)[KT][4], const E* B,
                                                  int ldb, int n0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -231,8 +236,8 @@ __device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const floa
     for (int nt = 0; nt < NT; ++nt) {
       const int n = n0 + 8 * nt + g;
       float2 b;
-      if (TB) b = make_float2(__half2float(B[k * ldb + n]), __half2float(B[(k + 1) * ldb + n]));
-      else b = __half22float2(*reinterpret_cast<const __half2*>(B + n * ldb + k));
+      if constexpr (TB) b = make_float2(to_f(B[k * ldb + n]), to_f(B[(k + 1) * ldb + n]));
+      else b = pair_f(B + n * ldb + k);
       mma1688_tf32(acc[nt], a, __float_as_uint(b.x), __float_as_uint(b.y));
     }
   }

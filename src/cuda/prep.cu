@@ -176,84 +176,105 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 }
 
 // Per (full superblock, kv head, block of RB rows of M): walks the superblock's chunks from the last
-// down with the running product M = P_last ... P_{c+1} (fp32 in shared memory, tf32 mma): ks_c = k~_c M^T,
-// then M <- M P_c = M - (M W_c^T) W2_c with the fp16 W, W2 of the chunk (the same operands the scans transport
-// with). Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so an item may run as
-// K / RB CTAs of RB rows each (super_rows): the chain is serial (8 chunk products per item), and a call with
-// few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle, while with items
-// enough to fill the device the split only repeats the tile loads. At the end M = P_last ... P_first is
-// stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
+// down with the running product M = P_last ... P_{c+1}: ks_c = k~_c M^T, then M <- M P_c = M - (M W_c^T) W2_c
+// with the fp16 W, W2 of the chunk (the same operands the scans transport with; tf32 mma, fp32 accumulation).
+// Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so each warp owns 16 rows of
+// M in registers (C layout, fp32; the A operand of both products through warp_mma_rr_tf32, as bwd_k's key
+// adjoint) and computes its 16 columns of ks_c as M_rows k~_c^T: no CTA barrier inside a chunk step, one per
+// step for the chunk tiles (two sets, the next chunk's loading by cp.async while this chunk's products run).
+// An item may run as K / RB CTAs of RB / 16 warps (super_rows): the chain is serial (8 chunk steps an item),
+// and a call with few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle,
+// while with items enough to fill the device the split only repeats the tile loads. At the end
+// M = P_last ... P_first is stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
 constexpr int kSuperRows = 32;  // the smallest row block
 
-// M's rows, Y, and a chunk's k~, W and W2 tiles; with kPf two sets of the tiles, the next chunk's loading by
-// cp.async while this chunk's products run (where the device's shared memory holds them: 207 KB at K = 128).
-template <int K, int RB, bool kPf>
+// Two sets of a chunk's k~, W and W2 tiles ([64][K + 8] 16-bit each).
+template <int K>
 struct SuperSmem {
-  static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
+  static constexpr int LT = K + 8;
   static constexpr size_t tiles = 3 * 2 * size_t(kChunk) * LT;  // one set
-  static constexpr size_t bytes = sizeof(float) * (size_t(RB) * LM + size_t(RB) * LY) + (kPf ? 2 : 1) * tiles;
+  static constexpr size_t bytes = 2 * tiles;
 };
 
-template <typename T, int K, int RB, bool kPf>
-__global__ void __launch_bounds__(kPrepThreads) super_prep_kernel(KernelParams p) {
-  using S = SuperSmem<K, RB, kPf>;
-  constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / RB;
-  extern __shared__ float sm[];
-  float* Mf = sm;  // rows j0 .. j0 + RB - 1 of M
-  float* Yf = Mf + RB * LM;
-  uint8_t* sets = reinterpret_cast<uint8_t*>(Yf + RB * LY);  // per set: k~, W, W2 ([64][LT] each)
+template <typename T, int K, int RB>
+__global__ void __launch_bounds__(2 * RB) super_prep_kernel(KernelParams p) {
+  using S = SuperSmem<K>;
+  constexpr int LT = S::LT, NB = K / RB, kThreads = 2 * RB;
+  extern __shared__ __align__(16) uint8_t sets[];  // per set: k~, W, W2
 
   // Row blocks fastest: the CTAs of one item run side by side and share their tiles through L2.
   const int j0 = int(blockIdx.x % NB) * RB, item = int(blockIdx.x / NB);
   const int sbi = item / p.H, h = item % p.H, tid = threadIdx.x;
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, row0 = j0 + 16 * (tid >> 5) + g;  // rows row0, row0 + 8
   const int c0 = p.super_first[sbi];
   const ChunkDesc ch = p.chunks[c0];
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
   const T* ktp = static_cast<const T*>(p.kt);
   T* ksp = static_cast<T*>(p.ks);
-  // Chunk c's tiles into set `set` by cp.async: three groups of kTileThreads threads, one tile each (every chunk of
-  // a full superblock has kChunk rows).
-  static_assert(kPrepThreads >= 3 * kTileThreads, "super_prep: one thread group per tile");
+  // Chunk c's three tiles into set `set` by cp.async, 16 bytes a copy (every chunk of a full superblock has
+  // kChunk rows).
   auto issue = [&](int c, int set) {
+    constexpr int kPerRow = K / 8, kPerTile = kChunk * kPerRow;
     const int64_t row = ((tok0 + int64_t(c) * kChunk) * p.H + h) * K, stride = int64_t(p.H) * K;
-    T* kt = reinterpret_cast<T*>(sets + set * S::tiles);
-    __half* w = reinterpret_cast<__half*>(kt + kChunk * LT);
-    const int grp = tid / kTileThreads, gt = tid % kTileThreads;
-    if (grp == 0) load_tile_async<K>(kt, ktp + row, stride, kChunk, gt);
-    else if (grp == 1) load_tile_async<K>(w, p.w16 + row, stride, kChunk, gt);
-    else if (grp == 2) load_tile_async<K>(w + kChunk * LT, p.w2h + row, stride, kChunk, gt);
+    uint8_t* base = sets + set * S::tiles;
+    for (int i = tid; i < 3 * kPerTile; i += kThreads) {
+      const int tile = i / kPerTile, r = (i % kPerTile) / kPerRow, c8 = 8 * (i % kPerRow);
+      const void* src = tile == 0 ? static_cast<const void*>(ktp + row + r * stride + c8)
+                                  : static_cast<const void*>((tile == 1 ? p.w16 : p.w2h) + row + r * stride + c8);
+      cp_async16(base + (size_t(tile) * kChunk * LT + size_t(r) * LT + c8) * 2, src, true);
+    }
     cp_async_commit();
   };
-  for (int idx = tid; idx < RB * K; idx += blockDim.x) Mf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
-  if constexpr (kPf) issue(kSuperChunks - 1, 0);
+  float M[K / 8][4];  // rows row0, row0 + 8 of M: C layout
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) M[nt][e] = row0 + 8 * (e >> 1) == 8 * nt + 2 * t4 + (e & 1) ? 1.f : 0.f;
+  issue(kSuperChunks - 1, 0);
   for (int c = kSuperChunks - 1; c >= 0; --c) {
     const int64_t t0 = tok0 + int64_t(c) * kChunk;
-    const int set = kPf ? (kSuperChunks - 1 - c) & 1 : 0;
-    T* Kt = reinterpret_cast<T*>(sets + set * S::tiles);
-    __half* Ws = reinterpret_cast<__half*>(Kt + kChunk * LT);
-    __half* W2s = Ws + kChunk * LT;
+    const int set = (kSuperChunks - 1 - c) & 1;
+    const T* Kt = reinterpret_cast<const T*>(sets + set * S::tiles);
+    const __half* Ws = reinterpret_cast<const __half*>(Kt + kChunk * LT);
+    const __half* W2s = Ws + kChunk * LT;
     __syncthreads();  // every warp is done with the other set (the previous chunk's products)
-    if constexpr (kPf) {
-      if (c > 0) {
-        issue(c - 1, set ^ 1);
-        cp_async_wait_group<1>();
-      } else {
-        cp_async_wait_all();
-      }
+    if (c > 0) {
+      issue(c - 1, set ^ 1);
+      cp_async_wait_group<1>();
     } else {
-      stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, Kt, LT, ws_src<K>(p.w16, p.H), 0, h, Ws, LT, t0, kChunk);
-      stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2s, LT, t0, kChunk);
+      cp_async_wait_all();
     }
     __syncthreads();  // this chunk's tiles, every thread's copies
-    // ks_c[:, j0 + n] = k~_c M[j0 + n, :]^T.
-    block_mm_tc<kChunk, RB, K, false>([&](int r, int k) { return to_f(Kt[r * LT + k]); },
-                                      [&](int k, int n) { return Mf[n * LM + k]; },
-                                      [&](int r, int n, float v) { ksp[((t0 + r) * p.H + h) * K + j0 + n] = from_f<T>(v); });
-    right_mul_chunk_product<RB, K, LM, LY, LT>(Mf, Yf, Ws, W2s);
+    {  // ks_c[r, row] = (M_rows k~_c^T)[row, r].
+      float ks[kChunk / 8][4];
+      zero_acc(ks);
+      warp_mma_rr_tf32<K / 8, kChunk / 8, false>(ks, M, Kt, LT, 0);
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 8 * nt + 2 * t4 + (e & 1), j = row0 + 8 * (e >> 1);
+          ksp[((t0 + r) * p.H + h) * K + j] = from_f<T>(ks[nt][e]);
+        }
+    }
+    {  // M <- M - (M W^T) W2.
+      float y[kChunk / 8][4];
+      zero_acc(y);
+      warp_mma_rr_tf32<K / 8, kChunk / 8, false>(y, M, Ws, LT, 0);
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
+      warp_mma_rr_tf32<kChunk / 8, K / 8, true>(M, y, W2s, LT, 0);
+    }
   }
-  __syncthreads();
-  __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
-  for (int idx = tid; idx < RB * K; idx += blockDim.x) out[idx] = __float2half_rn(Mf[(idx / K) * LM + idx % K]);
+  __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(out + int64_t(row0 + 8 * hr) * K + 8 * nt + 2 * t4) =
+          Pack2<__half>::pack(M[nt][2 * hr], M[nt][2 * hr + 1]);
 }
 
 // Backward of the superblock products, per (full superblock, kv head) and block of MR rows (super_rows; all
@@ -492,17 +513,15 @@ int super_bwd_rows(int K, int items, bool whole, int sms, int optin) {
 }
 
 // The least shared memory the superblock kernels run with (one set of tiles).
-size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64, 64, false>::bytes : SuperSmem<128, 128, false>::bytes; }
+size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSmem<128>::bytes; }
 size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64, false>::bytes : SuperBwdSmem<128, 128, false>::bytes; }
 
 template <typename T, int K>
-static cudaError_t super_t(const KernelParams& p, int rows, int optin, cudaStream_t s) {
+static cudaError_t super_t(const KernelParams& p, int rows, cudaStream_t s) {
   return with_rows<K>(rows, [&](auto rb) {
     constexpr int RB = decltype(rb)::value;
     const dim3 grid = item_head_grid(p.nsuper, p.H * (K / RB));
-    if (SuperSmem<K, RB, true>::bytes <= size_t(optin))
-      return launch_with_smem(super_prep_kernel<T, K, RB, true>, grid, kPrepThreads, SuperSmem<K, RB, true>::bytes, s, p);
-    return launch_with_smem(super_prep_kernel<T, K, RB, false>, grid, kPrepThreads, SuperSmem<K, RB, false>::bytes, s, p);
+    return launch_with_smem(super_prep_kernel<T, K, RB>, grid, 2 * RB, SuperSmem<K>::bytes, s, p);
   });
 }
 
@@ -531,13 +550,12 @@ cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int gri
 
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
   if (p.nsuper == 0) return cudaSuccess;
-  int sms = 0, optin = 0;
-  cudaError_t e = device_attr(cudaDevAttrMultiProcessorCount, &sms);
-  if (e == cudaSuccess) e = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin);
+  int sms = 0;
+  const cudaError_t e = device_attr(cudaDevAttrMultiProcessorCount, &sms);
   if (e != cudaSuccess) return e;
   const int rows = super_rows(p.K, p.nsuper * p.H, false, sms);
-  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, optin, s) : super_t<__half, 128>(p, rows, optin, s);
-  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, optin, s) : super_t<__nv_bfloat16, 128>(p, rows, optin, s);
+  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, s) : super_t<__half, 128>(p, rows, s);
+  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, s) : super_t<__nv_bfloat16, 128>(p, rows, s);
 }
 
 template <typename T, int K>
