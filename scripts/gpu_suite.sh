@@ -20,7 +20,8 @@
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
-#   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide).
+#   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide), with the
+#   flash-linear-attention wheel beside it for the Python layer test (fla.layers; skipped without it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
