@@ -268,17 +268,6 @@ struct BwdK {
         score_head(Kop, qb0, hq);
       }
     };
-    // h (own rows) <- h P_qc = h - (h W^T) W2 (one chunk; tf32, h from registers).
-    auto chain_chunk = [&]() {
-      float y[8][4];
-      zero_acc(y);
-      warp_mma_rr_tf32<K / 8, 8, false>(y, hk, Ws, LK, 0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
-      warp_mma_rr_tf32<8, K / 8, true>(hk, y, W2s, LK, 0);
-    };
     // ---- pass 2: query superblocks, then query chunks, right to left.
     if (far && p.kfar) {  // the far superblocks' part from bwd_k_far: h at the own superblock's end, dv
 #pragma unroll
@@ -354,7 +343,7 @@ struct BwdK {
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();
-      if (qc < last) chain_chunk();  // h <- h P_qc = h - (h W^T) W2 (own rows)
+      if (qc < last) warp_chunk_step<K>(hk, Ws, W2s, LK);  // h <- h P_qc = h - (h W^T) W2 (own rows)
       query_chunk(qc, Ss, false, true);
     }
     // ---- outputs: dk~ = h_{kc+1}; dv = the off-diagonal part (summed over the group) plus each query head's

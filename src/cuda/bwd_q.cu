@@ -445,15 +445,7 @@ struct BwdQ {
       float ds[8][4];
       scores(Qop, Ks, Vs, Gk, ds);
       if (kc > 0) {
-        // gbar <- gbar P_kc^T = gbar - (gbar W2^T) W.
-        float x[8][4];
-        zero_acc(x);
-        warp_mma_rr_tf32<K / 8, 8, false>(x, gq, W2s, LK, 0);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) x[nt][e] = -x[nt][e];
-        warp_mma_rr_tf32<8, K / 8, true>(gq, x, Ws, LK, 0);
+        warp_chunk_step<K>(gq, W2s, Ws, LK);  // gbar <- gbar P_kc^T = gbar - (gbar W2^T) W
       }
       add_local(ds, Ks);
     }

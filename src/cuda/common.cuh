@@ -243,6 +243,21 @@ __device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const floa
   }
 }
 
+// One chunk's transport step on a warp's 16-row register tile h (C layout, K / 8 n-tiles):
+// h <- h - (h A^T) B, with the chunk's [64][K] fp16 tiles A, B in shared memory (leading dim ld); tf32, h the
+// A operand from registers. A = W, B = W2 is h P_c (P_c = I - W^T W2); A = W2, B = W is h P_c^T.
+template <int K>
+__device__ __forceinline__ void warp_chunk_step(float (&h)[K / 8][4], const __half* A, const __half* B, int ld) {
+  float y[8][4];
+  zero_acc(y);
+  warp_mma_rr_tf32<K / 8, 8, false>(y, h, A, ld, 0);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
+  warp_mma_rr_tf32<8, K / 8, true>(h, y, B, ld, 0);
+}
+
 // Stores a warp's 16-row register tile (C layout of KN / 8 n-tiles, rows 16 warp + g and + 8) to a row-major
 // 16-bit (E) matrix with leading dimension ld: the per-CTA scratch snapshots of transported query / key tiles.
 template <typename E, int KN>

@@ -179,8 +179,8 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 // down with the running product M = P_last ... P_{c+1}: ks_c = k~_c M^T, then M <- M P_c = M - (M W_c^T) W2_c
 // with the fp16 W, W2 of the chunk (the same operands the scans transport with; tf32 mma, fp32 accumulation).
 // Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so each warp owns 16 rows of
-// M in registers (C layout, fp32; the A operand of both products through warp_mma_rr_tf32, as bwd_k's key
-// adjoint) and computes its 16 columns of ks_c as M_rows k~_c^T: no CTA barrier inside a chunk step, one per
+// M in registers (C layout, fp32), steps them by warp_chunk_step as bwd_k steps its key adjoint, and computes
+// its 16 columns of ks_c as M_rows k~_c^T (warp_mma_rr_tf32): no CTA barrier inside a chunk step, one per
 // step for the chunk tiles (two sets, the next chunk's loading by cp.async while this chunk's products run).
 // An item may run as K / RB CTAs of RB / 16 warps (super_rows): the chain is serial (8 chunk steps an item),
 // and a call with few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle,
@@ -257,16 +257,7 @@ __global__ void __launch_bounds__(2 * RB) super_prep_kernel(KernelParams p) {
           ksp[((t0 + r) * p.H + h) * K + j] = from_f<T>(ks[nt][e]);
         }
     }
-    {  // M <- M - (M W^T) W2.
-      float y[kChunk / 8][4];
-      zero_acc(y);
-      warp_mma_rr_tf32<K / 8, kChunk / 8, false>(y, M, Ws, LT, 0);
-#pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
-      warp_mma_rr_tf32<kChunk / 8, K / 8, true>(M, y, W2s, LT, 0);
-    }
+    warp_chunk_step<K>(M, Ws, W2s, LT);  // M <- M - (M W^T) W2
   }
   __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
 #pragma unroll
