@@ -26,9 +26,12 @@ Problem sub_problem(const Problem& pr, const Slice& sl);
 PathFwdParams sub_params(const PathFwdParams& p, const Problem& pr, const Slice& sl);
 PathBwdParams sub_params(const PathBwdParams& p, const Problem& pr, const Slice& sl);
 
-// The slices of a call: all of it when cost(all) <= limit; else the most kv heads per slice that fit; when one
-// kv head does not fit and batch_ok (rows of separate sequences: no cu_seqlens), the most batch rows per
-// slice that fit; a (row, head) slice that does not fit runs anyway. cost(Slice) must grow with both counts.
+// The slices of a call: all of it when cost(all) <= limit; else as few slices of kv heads as fit; when one
+// kv head does not fit and batch_ok (rows of separate sequences: no cu_seqlens), as few slices of batch rows
+// of one head as fit; a (row, head) slice that does not fit runs anyway. Slices are as even as their number
+// allows (the smallest stride that keeps it: 8 rows in two slices of at most 6 are 4 + 4, not 6 + 2, a
+// smaller block and no short slice).
+// cost(Slice) must grow with both counts.
 template <class Cost>
 std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, Cost cost) {
   auto largest = [](int64_t n, auto fits) {  // the largest m in [1, n] with fits(m), or 1
@@ -40,11 +43,15 @@ std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, 
     }
     return lo;
   };
+  auto even = [](int64_t n, int64_t m) {  // m per slice -> the same number of slices, evenly filled
+    const int64_t count = (n + m - 1) / m;
+    return (n + count - 1) / count;
+  };
   int64_t nh = pr.H, nb = pr.B;
   if (cost(Slice{0, nb, 0, nh}) > limit) {
-    nh = largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; });
+    nh = even(pr.H, largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; }));
     if (nh == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
-      nb = largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; });
+      nb = even(pr.B, largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; }));
   }
   std::vector<Slice> out;
   for (int64_t b0 = 0; b0 < pr.B; b0 += nb)

@@ -48,6 +48,10 @@ TEST(Slicing, PlanFollowsTheLimit) {
   EXPECT_EQ(flat({s[0], s[4], s[5], s[9]}), (std::vector<int64_t>{0, 2, 0, 1, 0, 2, 4, 1, 2, 1, 0, 1, 2, 1, 4, 1}));
   // Rows may not be split (varlen): one head of all rows, over the limit.
   EXPECT_EQ(core::plan_slices(pr, false, 125, cost).size(), 5u);
+  // Slices as even as their number allows: 6 rows of 8 fit 160, so two slices of 4 (not 6 + 2); 5 of 7 kv
+  // heads fit 150: two slices, 4 + 3.
+  EXPECT_EQ(flat(core::plan_slices(problem(8, 1, 1), true, 160, cost)), (std::vector<int64_t>{0, 4, 0, 1, 4, 4, 0, 1}));
+  EXPECT_EQ(flat(core::plan_slices(problem(1, 7, 1), true, 150, cost)), (std::vector<int64_t>{0, 1, 0, 4, 0, 1, 4, 3}));
   // Nothing fits: (row, head) slices all the same.
   EXPECT_EQ(core::plan_slices(pr, true, 1, cost).size(), 15u);
   for (int64_t limit : {1, 105, 125, 160, 250}) {  // every (row, head) exactly once
@@ -80,14 +84,16 @@ TEST(Slicing, LanesOnlyForSingleHeadSlicesThatHalveWell) {
   // A share that holds slices, but too many: 240 / 2 = 120 holds 2 rows, 8 slices > 2 x 2.
   core::LanePlan d = core::plan_lanes(p8, true, 240, 4, cost);
   EXPECT_EQ(shape(d), (std::vector<int64_t>{1, 2, 180}));
-  // Many rows of one head (cost 20 + 10 a row), limit 150: one stream takes 13 rows (150), 2 slices.
+  // Many rows of one head (cost 20 + 10 a row), limit 150: 13 rows fit one stream's slices, so two slices,
+  // filled evenly: 8 rows each (100).
   const core::Problem p16 = problem(16, 1, 1);
   auto big = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
   core::LanePlan g = core::plan_lanes(p16, true, 150, 4, big);
   // Four streams (37): 1 row, 16 slices > 4 x 2: refused. Three (50): 3 rows, 6 slices <= 6: taken (the most
-  // streams that qualify). With at most two: 5 rows (70), 4 slices.
+  // streams that qualify). With at most two (75): 5 rows fit, 4 slices, of 4 rows (60).
+  EXPECT_EQ(core::plan_slices(p16, true, 150, big).size(), 2u);
   EXPECT_EQ(shape(g), (std::vector<int64_t>{3, 6, 50}));
-  EXPECT_EQ(shape(core::plan_lanes(p16, true, 150, 2, big)), (std::vector<int64_t>{2, 4, 70}));
+  EXPECT_EQ(shape(core::plan_lanes(p16, true, 150, 2, big)), (std::vector<int64_t>{2, 4, 60}));
   // Rows may not be split (varlen): the halved limit holds no slice, one stream.
   EXPECT_EQ(core::plan_lanes(p16, false, 150, 4, big).lanes, 1);
 }
