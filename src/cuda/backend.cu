@@ -313,8 +313,6 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   const int gq = std::min(q_items, bwd_q_max_grid(kp, dt));
   const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
-  kp.scratch_slots = scratch_slot_count(kp.max_chunks, pr.path);
-  size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
   // The far parts on Hopper (bwd_q_far.cu, bwd_k_far.cu), where this build, the device and the call allow them.
   // Their parked states take the scratch too (they run between the scans, one at a time). Query side: tiles as
   // the forward's; key side: tiles of a superblock pair's two chunks whose sequence goes on past their
@@ -335,6 +333,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
       kpark = std::max(kpark, last_sb - sbk - 1);
     }
   }
+  // bwd_q / bwd_k park the states at earlier (later) superblocks' ends only where the far kernels do not take
+  // those superblocks: with both far kernels, a CTA parks its own superblock's chunks alone.
+  kp.scratch_slots = !qfar_tiles.empty() && !kfar_tiles.empty() ? kSuperChunks
+                                                                  : scratch_slot_count(kp.max_chunks, pr.path);
+  size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
   int32_t *qfar_dev = nullptr, *kfar_dev = nullptr;
   if (!qfar_tiles.empty()) {
     qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
