@@ -179,7 +179,7 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 // down with the running product M = P_last ... P_{c+1}: ks_c = k~_c M^T, then M <- M P_c = M - (M W_c^T) W2_c
 // with the fp16 W, W2 of the chunk (the same operands the scans transport with; tf32 mma, fp32 accumulation).
 // Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so each warp owns 16 rows of
-// M in registers (C layout, fp32), steps them by warp_chunk_step as bwd_k steps its key adjoint, and computes
+// M in registers (C layout, fp32), steps them as bwd_k steps its key adjoint (M <- M - (M W^T) W2), and computes
 // its 16 columns of ks_c as M_rows k~_c^T (warp_mma_rr_tf32): no CTA barrier inside a chunk step, one per
 // step for the chunk tiles (two sets, the next chunk's loading by cp.async while this chunk's products run).
 // An item may run as K / RB CTAs of RB / 16 warps (super_rows): the chain is serial (8 chunk steps an item),
@@ -188,24 +188,32 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 // M = P_last ... P_first is stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
 constexpr int kSuperRows = 32;  // the smallest row block
 
-// Two sets of a chunk's k~, W and W2 tiles ([64][K + 8] 16-bit each).
-template <int K>
+// Two sets of a chunk's k~, W and W2 tiles ([64][K + 8] 16-bit each); with the column split, each warp's
+// exchange slot for its two 16 x 64 partial products (64 floats a lane).
+template <int K, int kXWarps = 0>
 struct SuperSmem {
   static constexpr int LT = K + 8;
   static constexpr size_t tiles = 3 * 2 * size_t(kChunk) * LT;  // one set
-  static constexpr size_t bytes = 2 * tiles;
+  static constexpr size_t xch = size_t(kXWarps) * 64 * 32 * sizeof(float);
+  static constexpr size_t bytes = 2 * tiles + xch;
 };
 
-template <typename T, int K, int RB>
-__global__ void __launch_bounds__(2 * RB) super_prep_kernel(KernelParams p) {
-  using S = SuperSmem<K>;
-  constexpr int LT = S::LT, NB = K / RB, kThreads = 2 * RB;
-  extern __shared__ __align__(16) uint8_t sets[];  // per set: k~, W, W2
+// kSplit = 2 (few items): a pair of warps shares each 16-row block, each holding half of M's columns; their
+// partial products (ks_c and y, sums over the columns) are exchanged through shared memory at a pair barrier,
+// which halves a warp's products on the serial chain.
+template <typename T, int K, int RB, int kSplit>
+__global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParams p) {
+  constexpr int kWarps = RB / 16 * kSplit, kThreads = 32 * kWarps, KH = K / kSplit;  // KH: M's columns a warp holds
+  using S = SuperSmem<K, kSplit == 2 ? kWarps : 0>;
+  constexpr int LT = S::LT, NB = K / RB;
+  extern __shared__ __align__(16) uint8_t sets[];  // per set: k~, W, W2; then the exchange slots
+  float* xch = reinterpret_cast<float*>(sets + 2 * S::tiles);
 
   // Row blocks fastest: the CTAs of one item run side by side and share their tiles through L2.
   const int j0 = int(blockIdx.x % NB) * RB, item = int(blockIdx.x / NB);
-  const int sbi = item / p.H, h = item % p.H, tid = threadIdx.x;
-  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, row0 = j0 + 16 * (tid >> 5) + g;  // rows row0, row0 + 8
+  const int sbi = item / p.H, h = item % p.H, tid = threadIdx.x, warp = tid >> 5;
+  const int rg = warp / kSplit, hf = warp % kSplit, c0k = hf * KH;  // row group, column half
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3, row0 = j0 + 16 * rg + g;  // rows row0, row0 + 8
   const int c0 = p.super_first[sbi];
   const ChunkDesc ch = p.chunks[c0];
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
@@ -225,11 +233,31 @@ __global__ void __launch_bounds__(2 * RB) super_prep_kernel(KernelParams p) {
     }
     cp_async_commit();
   };
-  float M[K / 8][4];  // rows row0, row0 + 8 of M: C layout
+  // With the split: adds the pair partner's partials of ks and y (the same C layout) to this warp's.
+  auto exchange = [&](float (&ks)[kChunk / 8][4], float (&y)[kChunk / 8][4]) {
+    float* mine = xch + size_t(warp) * 64 * 32 + lane;
+    const float* theirs = xch + size_t(warp ^ 1) * 64 * 32 + lane;
 #pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt)
+    for (int nt = 0; nt < kChunk / 8; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) M[nt][e] = row0 + 8 * (e >> 1) == 8 * nt + 2 * t4 + (e & 1) ? 1.f : 0.f;
+      for (int e = 0; e < 4; ++e) {
+        mine[(4 * nt + e) * 32] = ks[nt][e];
+        mine[(32 + 4 * nt + e) * 32] = y[nt][e];
+      }
+    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + rg) : "memory");  // the pair's slots written
+#pragma unroll
+    for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ks[nt][e] += theirs[(4 * nt + e) * 32];
+        y[nt][e] += theirs[(32 + 4 * nt + e) * 32];
+      }
+  };
+  float M[KH / 8][4];  // rows row0, row0 + 8 of M, columns c0k .. c0k + KH - 1: C layout
+#pragma unroll
+  for (int nt = 0; nt < KH / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) M[nt][e] = row0 + 8 * (e >> 1) == c0k + 8 * nt + 2 * t4 + (e & 1) ? 1.f : 0.f;
   issue(kSuperChunks - 1, 0);
   for (int c = kSuperChunks - 1; c >= 0; --c) {
     const int64_t t0 = tok0 + int64_t(c) * kChunk;
@@ -237,7 +265,7 @@ __global__ void __launch_bounds__(2 * RB) super_prep_kernel(KernelParams p) {
     const T* Kt = reinterpret_cast<const T*>(sets + set * S::tiles);
     const __half* Ws = reinterpret_cast<const __half*>(Kt + kChunk * LT);
     const __half* W2s = Ws + kChunk * LT;
-    __syncthreads();  // every warp is done with the other set (the previous chunk's products)
+    __syncthreads();  // every warp is done with the other set (the previous chunk's products) and the slots
     if (c > 0) {
       issue(c - 1, set ^ 1);
       cp_async_wait_group<1>();
@@ -245,26 +273,34 @@ __global__ void __launch_bounds__(2 * RB) super_prep_kernel(KernelParams p) {
       cp_async_wait_all();
     }
     __syncthreads();  // this chunk's tiles, every thread's copies
-    {  // ks_c[r, row] = (M_rows k~_c^T)[row, r].
-      float ks[kChunk / 8][4];
-      zero_acc(ks);
-      warp_mma_rr_tf32<K / 8, kChunk / 8, false>(ks, M, Kt, LT, 0);
+    // ks_c[r, row] = (M_rows k~_c^T)[row, r] and y = M_rows W^T (over this warp's columns, then the pair's sum);
+    // then M <- M - y W2.
+    float ks[kChunk / 8][4], y[kChunk / 8][4];
+    zero_acc(ks);
+    zero_acc(y);
+    warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
+    warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(y, M, Ws + c0k, LT, 0);
+    if constexpr (kSplit == 2) exchange(ks, y);
 #pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt)
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+      if (kSplit == 1 || nt / (kChunk / 16) == hf) {  // with the split, each warp of a pair stores half the keys
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = 8 * nt + 2 * t4 + (e & 1), j = row0 + 8 * (e >> 1);
           ksp[((t0 + r) * p.H + h) * K + j] = from_f<T>(ks[nt][e]);
         }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
     }
-    warp_chunk_step<K>(M, Ws, W2s, LT);  // M <- M - (M W^T) W2
+    warp_mma_rr_tf32<kChunk / 8, KH / 8, true>(M, y, W2s + c0k, LT, 0);
   }
   __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(out + int64_t(row0 + 8 * hr) * K + 8 * nt + 2 * t4) =
+    for (int nt = 0; nt < KH / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(out + int64_t(row0 + 8 * hr) * K + c0k + 8 * nt + 2 * t4) =
           Pack2<__half>::pack(M[nt][2 * hr], M[nt][2 * hr + 1]);
 }
 
@@ -512,7 +548,12 @@ static cudaError_t super_t(const KernelParams& p, int rows, cudaStream_t s) {
   return with_rows<K>(rows, [&](auto rb) {
     constexpr int RB = decltype(rb)::value;
     const dim3 grid = item_head_grid(p.nsuper, p.H * (K / RB));
-    return launch_with_smem(super_prep_kernel<T, K, RB>, grid, 2 * RB, SuperSmem<K>::bytes, s, p);
+    if constexpr (RB == kSuperRows) {  // few items: the column split (a warp pair per 16 rows)
+      constexpr int kXWarps = RB / 16 * 2;
+      return launch_with_smem(super_prep_kernel<T, K, RB, 2>, grid, 32 * kXWarps, SuperSmem<K, kXWarps>::bytes, s, p);
+    } else {
+      return launch_with_smem(super_prep_kernel<T, K, RB, 1>, grid, 2 * RB, SuperSmem<K>::bytes, s, p);
+    }
   });
 }
 
