@@ -543,24 +543,47 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
   }
 }
 
-// out(r, c, sum_k a1(r, k) b1(k, c) + sum_k a2(r, k) b2(k, c)) for every output: a product over a stacked inner
-// dimension [A1 | A2] [B1 ; B2] as two passes into one accumulator (no per-element select between the halves).
-// Every warp finishes reading before any `out` runs (one __syncthreads in between), so `out` may overwrite the
-// operands. Callers sync before the next read.
-template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO>
-__device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out) {
+// out2(r, c, v, w) with v, w the sums sum_k a1(r, k) b1(k, c') + sum_k a2(r, k) b2(k, c') at c' = c and c + 1 (c
+// even), for every pair of outputs: a product over a stacked inner dimension [A1 | A2] [B1 ; B2] as two passes
+// into one accumulator (no per-element select between the halves); pairs of columns, so that an epilogue can
+// store both with one instruction. Every warp finishes reading before any `out2` runs (one __syncthreads in
+// between), so `out2` may overwrite the operands. Callers sync before the next read.
+template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO2>
+__device__ __forceinline__ void block_mm_tc2_pairs(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO2 out2) {
   using TT = TcTile<M, N>;
   typename TT::Acc acc;
   TT::zero(acc);
   mma_tc_acc<M, N, KD1, kX3>(acc, a1, b1);
   if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3>(acc, a2, b2);
   __syncthreads();
-  TT::each(acc, [&](int r, int c, float& v) { out(r, c, v); });
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wm = warp % TT::WM, wn = warp / TT::WM;
+#pragma unroll
+  for (int mi = 0; mi < TT::MPW; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < TT::NTW; ++nt) {
+      const int r = 16 * (wm + TT::WM * mi) + g, c = 8 * (wn * TT::NTW + nt) + 2 * t;
+      out2(r, c, acc[mi][nt][0], acc[mi][nt][1]);
+      out2(r + 8, c, acc[mi][nt][2], acc[mi][nt][3]);
+    }
+}
+// out(r, c, sum_k a1(r, k) b1(k, c) + sum_k a2(r, k) b2(k, c)) for every output (block_mm_tc2_pairs, one
+// element at a time).
+template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO>
+__device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out) {
+  block_mm_tc2_pairs<M, N, KD1, KD2, kX3>(a1, b1, a2, b2, [&](int r, int c, float v, float w) {
+    out(r, c, v);
+    out(r, c + 1, w);
+  });
 }
 // out(r, c, sum_k a(r, k) b(k, c)): the same with one inner dimension.
 template <int M, int N, int KD, bool kX3, class FA, class FB, class FO>
 __device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
   block_mm_tc2<M, N, KD, 0, kX3>(a, b, a, b, out);
+}
+template <int M, int N, int KD, bool kX3, class FA, class FB, class FO2>
+__device__ __forceinline__ void block_mm_tc_pairs(FA a, FB b, FO2 out2) {
+  block_mm_tc2_pairs<M, N, KD, 0, kX3>(a, b, a, b, out2);
 }
 
 // Four consecutive elements at p as floats: one 8-byte (16-bit types) or 16-byte (fp32) load when vec (p

@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   __syncthreads();
   PA_PROBE(3);
   // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
-  block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
-      [&](int s, int d) { return Wf[s * LW + d]; }, [&](int r, int d, float v) { W2h[r * LT + d] = __float2half_rn(v); });
+  block_mm_tc_pairs<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
+      [&](int s, int d) { return Wf[s * LW + d]; },
+      [&](int r, int d, float v, float u) { *reinterpret_cast<uint32_t*>(W2h + r * LT + d) = Pack2<__half>::pack(v, u); });
   block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
                                      [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; });
   __syncthreads();
@@ -101,10 +102,13 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   PA_PROBE(5);
   // k~ = K - U^T W, and the fp16 copies of W and W2.
   T* ktp = static_cast<T*>(p.kt);
-  block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LW + d]; },
-                                [&](int r, int d, float v) {
-                                  if (r < nq) ktp[((tok0 + r) * p.H + h) * K + d] = from_f<T>(to_f(Ks[r * LT + d]) - v);
-                                });
+  block_mm_tc_pairs<kChunk, K, kChunk, false>(
+      [&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LW + d]; },
+      [&](int r, int d, float v, float u) {
+        if (r < nq)
+          *reinterpret_cast<uint32_t*>(ktp + ((tok0 + r) * p.H + h) * K + d) =
+              Pack2<T>::pack(to_f(Ks[r * LT + d]) - v, to_f(Ks[r * LT + d + 1]) - u);
+      });
   for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
     const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
@@ -144,17 +148,21 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
     __syncthreads();
     PA_PROBE(8);
     // q~ = Q - X W2.
-    block_mm_tc<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; },
+    block_mm_tc_pairs<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; },
         [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
-        [&](int r, int d, float v) {
-          if (r < nq) p.qtl[((tok0 + r) * p.HQ + hq) * K + d] = to_f(Qs[r * LT + d]) - v;
+        [&](int r, int d, float v, float u) {
+          if (r < nq)
+            *reinterpret_cast<float2*>(p.qtl + ((tok0 + r) * p.HQ + hq) * K + d) =
+                make_float2(to_f(Qs[r * LT + d]) - v, to_f(Qs[r * LT + d + 1]) - u);
         });
     // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
-    block_mm_tc2<kChunk, kChunk, K, kChunk, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+    block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
         [&](int k, int c) { return to_f(Ks[c * LT + k]); }, [&](int r, int k) { return R2[r * LC + k]; },
         [&](int k, int c) { return -R1[k * LC + c]; },
-        [&](int r, int c, float v) {
-          if (r < nq) p.aloc[((tok0 + r) * p.HQ + hq) * kChunk + c] = c <= r ? v : 0.f;
+        [&](int r, int c, float v, float u) {
+          if (r < nq)
+            *reinterpret_cast<float2*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
+                make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
         });
   }
   PA_PROBE(9);
