@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
 
   // ---- per query head: dq, and the X / A_loc terms.
   T* dqp = static_cast<T*>(p.dq);
+  const bool dq_pair = vec2_ok(dqp, p.dq_s[0], p.dq_s[1], p.dq_s[2]);
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     __syncthreads();  // D (over Xs / dXs and Qs) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
@@ -193,10 +194,12 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     __syncthreads();
     PA_PROBE(8);
     // dq = dq~ + dA_loc K + dX W.
-    block_mm_tc2<kChunk, K, kChunk, kChunk, false>(
+    block_mm_tc2_pairs<kChunk, K, kChunk, kChunk, false>(
         dAl, k_rk, [&](int r, int k) { return dXs[r * LC + k]; }, w_rk,
-        [&](int r, int d, float v) {
-          if (r < nq) dqp[ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d] = from_f<T>(dQt(r, d) + v);
+        [&](int r, int d, float v, float u) {
+          if (r < nq)
+            store2(dqp + ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d, dQt(r, d) + v,
+                   dQt(r, d + 1) + u, dq_pair);
         });
     // dK += dA_loc^T Q;  dW += dX^T Q;  dW2 -= X^T dq~.
     mma_tc_acc<kChunk, K, kChunk, false>(dKa, [&](int c, int r) { return dAl(r, c); }, q_rk);
@@ -283,14 +286,16 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(14);
 
-  // ---- outputs.
+  // ---- outputs (column pairs by one store each where the tensors' alignment allows).
   T* dkp = static_cast<T*>(p.dk);
-  TK::each(dKa, [&](int r, int d, float& v) {
-    if (r < nq) dkp[ch.b * p.dk_s[0] + (pos0 + r) * p.dk_s[1] + h * p.dk_s[2] + d] = from_f<T>(v);
+  const bool dk_pair = vec2_ok(dkp, p.dk_s[0], p.dk_s[1], p.dk_s[2]);
+  TK::each_pair(dKa, [&](int r, int d, float& v, float& u) {
+    if (r < nq) store2(dkp + ch.b * p.dk_s[0] + (pos0 + r) * p.dk_s[1] + h * p.dk_s[2] + d, v, u, dk_pair);
   });
   if (p.path) {
-    TK::each(dWa, [&](int r, int d, float& v) {
-      if (r < nq) p.dw[ch.b * p.dw_s[0] + (pos0 + r) * p.dw_s[1] + h * p.dw_s[2] + d] = v;
+    const bool dw_pair = vec2_ok(p.dw, p.dw_s[0], p.dw_s[1], p.dw_s[2]);
+    TK::each_pair(dWa, [&](int r, int d, float& v, float& u) {
+      if (r < nq) store2(p.dw + ch.b * p.dw_s[0] + (pos0 + r) * p.dw_s[1] + h * p.dw_s[2] + d, v, u, dw_pair);
     });
     if (tid < nq) p.dbeta[ch.b * p.dbeta_s[0] + (pos0 + tid) * p.dbeta_s[1] + h * p.dbeta_s[2]] = dbs[tid];
   }

@@ -350,7 +350,7 @@ struct BwdK {
     // diagonal part (dvdiag, complete: bwd_q ran before), added in head order (a fixed order: deterministic).
     store_rows(p.dkt + (tokk0 * p.H + h) * K, hk);
     T* dvp = static_cast<T*>(p.dv);
-    const bool dvvec = vec4_ok(dvp, p.dv_s[0], p.dv_s[1], p.dv_s[2]);
+    const bool dvvec = vec2_ok(dvp, p.dv_s[0], p.dv_s[1], p.dv_s[2]);
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = rr[hr];
@@ -366,14 +366,7 @@ struct BwdK {
       }
       T* dst = dvp + ch.b * p.dv_s[0] + (posk0 + r) * p.dv_s[1] + h * p.dv_s[2] + 2 * t4;
 #pragma unroll
-      for (int nt = 0; nt < V / 8; ++nt) {
-        if (dvvec) {
-          *reinterpret_cast<uint32_t*>(dst + 8 * nt) = Pack2<T>::pack(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
-        } else {
-          dst[8 * nt] = from_f<T>(dv[nt][2 * hr]);
-          dst[8 * nt + 1] = from_f<T>(dv[nt][2 * hr + 1]);
-        }
-      }
+      for (int nt = 0; nt < V / 8; ++nt) store2(dst + 8 * nt, dv[nt][2 * hr], dv[nt][2 * hr + 1], dvvec);
     }
   }
 };

@@ -206,12 +206,15 @@ struct BwdQ {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
-          const float ds = pr[nt][e] * (dp[0][nt][e] - del[r]);
-          dXs[r * LX + c] = ds;
-          Ps[r * LP + c] = from_f<T>(pr[nt][e]);
-          if (r < nq) p.aloc[((tokq0 + r) * p.HQ + hq) * kChunk + c] = p.scale * ds;
+        for (int hr = 0; hr < 2; ++hr) {  // column pairs c, c + 1: one store each
+          const int r = rr[hr], c = 8 * nt + 2 * t4;
+          const float ds0 = pr[nt][2 * hr] * (dp[0][nt][2 * hr] - del[r]);
+          const float ds1 = pr[nt][2 * hr + 1] * (dp[0][nt][2 * hr + 1] - del[r]);
+          *reinterpret_cast<float2*>(dXs + r * LX + c) = make_float2(ds0, ds1);
+          *reinterpret_cast<uint32_t*>(Ps + r * LP + c) = Pack2<T>::pack(pr[nt][2 * hr], pr[nt][2 * hr + 1]);
+          if (r < nq)
+            *reinterpret_cast<float2*>(p.aloc + ((tokq0 + r) * p.HQ + hq) * kChunk + c) =
+                make_float2(p.scale * ds0, p.scale * ds1);
         }
       __syncthreads();
       // dv_diag = P^T dO: warp w takes keys 16w..16w+15.

@@ -55,6 +55,31 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// Whether every element pair (2 i, 2 i + 1) of rows base + i s0 + j s1 + k s2 is aligned for one 2-element store.
+template <typename E>
+__host__ __device__ __forceinline__ bool vec2_ok(const E* base, int64_t s0, int64_t s1, int64_t s2) {
+  constexpr int64_t kBytes = 2 * sizeof(E);
+  return reinterpret_cast<uintptr_t>(base) % kBytes == 0 && s0 % 2 == 0 && s1 % 2 == 0 && s2 % 2 == 0;
+}
+// Two values stored at dst as E (one 4-byte store for 16-bit types, 8-byte for fp32) when pair, else one by one.
+template <typename E>
+__device__ __forceinline__ void store2(E* dst, float a, float b, bool pair) {
+  if (pair) {
+    *reinterpret_cast<uint32_t*>(dst) = Pack2<E>::pack(a, b);
+  } else {
+    dst[0] = from_f<E>(a);
+    dst[1] = from_f<E>(b);
+  }
+}
+__device__ __forceinline__ void store2(float* dst, float a, float b, bool pair) {
+  if (pair) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else {
+    dst[0] = a;
+    dst[1] = b;
+  }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // MMA primitives. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), g = lane / 4, t = lane % 4:
 //   A 16x16: a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
@@ -359,15 +384,13 @@ __device__ __forceinline__ void store_fwd_rows(const KernelParams& p, const Chun
                                                const int (&rr)[2], int nq, const float (&o)[V / 8][4],
                                                const float (&m)[2], const float (&l)[2]) {
   const int t4 = threadIdx.x & 3;
+  const bool pair = vec2_ok(static_cast<T*>(p.o), p.o_s[0], p.o_s[1], p.o_s[2]);
   for_fwd_rows(rr, nq, l, [&](int hr, int r, float lt) {
     const float inv = 1.f / lt;
     const int64_t pos = ch.t0 + int64_t(qc) * kChunk + r;
     T* orow = static_cast<T*>(p.o) + ch.b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
 #pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt) {
-      orow[8 * nt + 2 * t4] = from_f<T>(o[nt][2 * hr] * inv);
-      orow[8 * nt + 2 * t4 + 1] = from_f<T>(o[nt][2 * hr + 1] * inv);
-    }
+    for (int nt = 0; nt < V / 8; ++nt) store2(orow + 8 * nt + 2 * t4, o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv, pair);
     if (p.lse && t4 == 0)
       p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] = (m[hr] + log2f(lt)) * 0.6931471805599453f;
   });
@@ -456,6 +479,20 @@ struct TcTile {
         f(r, c + 1, acc[mi][nt][1]);
         f(r + 8, c, acc[mi][nt][2]);
         f(r + 8, c + 1, acc[mi][nt][3]);
+      }
+  }
+  // f(r, c, value&, value&) for every pair of outputs (columns c, c + 1; c even) this thread owns.
+  template <class F>
+  __device__ static __forceinline__ void each_pair(Acc& acc, F f) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp % WM, wn = warp / WM;
+#pragma unroll
+    for (int mi = 0; mi < MPW; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) {
+        const int r = 16 * (wm + WM * mi) + g, c = 8 * (wn * NTW + nt) + 2 * t;
+        f(r, c, acc[mi][nt][0], acc[mi][nt][1]);
+        f(r + 8, c, acc[mi][nt][2], acc[mi][nt][3]);
       }
   }
   __device__ static __forceinline__ void zero(Acc& acc) {
@@ -556,16 +593,7 @@ __device__ __forceinline__ void block_mm_tc2_pairs(FA1 a1, FB1 b1, FA2 a2, FB2 b
   mma_tc_acc<M, N, KD1, kX3>(acc, a1, b1);
   if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3>(acc, a2, b2);
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wm = warp % TT::WM, wn = warp / TT::WM;
-#pragma unroll
-  for (int mi = 0; mi < TT::MPW; ++mi)
-#pragma unroll
-    for (int nt = 0; nt < TT::NTW; ++nt) {
-      const int r = 16 * (wm + TT::WM * mi) + g, c = 8 * (wn * TT::NTW + nt) + 2 * t;
-      out2(r, c, acc[mi][nt][0], acc[mi][nt][1]);
-      out2(r + 8, c, acc[mi][nt][2], acc[mi][nt][3]);
-    }
+  TT::each_pair(acc, [&](int r, int c, float& v, float& w) { out2(r, c, v, w); });
 }
 // out(r, c, sum_k a1(r, k) b1(k, c) + sum_k a2(r, k) b2(k, c)) for every output (block_mm_tc2_pairs, one
 // element at a time).
