@@ -465,22 +465,6 @@ struct TcTile {
   static constexpr int NTW = N / (8 * WN);
   static_assert(MTILES % WM == 0 && N % (8 * WN) == 0, "TcTile: unsupported tile shape");
   using Acc = float[MPW][NTW][4];
-  // f(r, c, value&) for every output this thread owns.
-  template <class F>
-  __device__ static __forceinline__ void each(Acc& acc, F f) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wm = warp % WM, wn = warp / WM;
-#pragma unroll
-    for (int mi = 0; mi < MPW; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < NTW; ++nt) {
-        const int r = 16 * (wm + WM * mi) + g, c = 8 * (wn * NTW + nt) + 2 * t;
-        f(r, c, acc[mi][nt][0]);
-        f(r, c + 1, acc[mi][nt][1]);
-        f(r + 8, c, acc[mi][nt][2]);
-        f(r + 8, c + 1, acc[mi][nt][3]);
-      }
-  }
   // f(r, c, value&, value&) for every pair of outputs (columns c, c + 1; c even) this thread owns.
   template <class F>
   __device__ static __forceinline__ void each_pair(Acc& acc, F f) {
@@ -494,6 +478,14 @@ struct TcTile {
         f(r, c, acc[mi][nt][0], acc[mi][nt][1]);
         f(r + 8, c, acc[mi][nt][2], acc[mi][nt][3]);
       }
+  }
+  // f(r, c, value&) for every output this thread owns (each_pair, one element at a time).
+  template <class F>
+  __device__ static __forceinline__ void each(Acc& acc, F f) {
+    each_pair(acc, [&](int r, int c, float& v, float& w) {
+      f(r, c, v);
+      f(r, c + 1, w);
+    });
   }
   __device__ static __forceinline__ void zero(Acc& acc) {
     each(acc, [](int, int, float& v) { v = 0.f; });
