@@ -67,22 +67,7 @@ __device__ __forceinline__ void inverse_v1(const float* A, int lda, float* E, in
     warp_store_c(E + r0 * lde + c0, lde, e21, -1.f);
   }
   __syncthreads();
-  if (warp < 4) {
-    const int c0 = 8 * warp;
-    float acc[2][4] = {};
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(acc[m], A + (32 + 16 * m) * lda, lda, E + c0, lde);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, acc[m], 1.f);
-    __syncwarp();
-    float e21[2][4] = {};
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(e21[m], E + (32 + 16 * m) * lde + 32, lde, E + 32 * lde + c0, lde);
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, e21[m], -1.f);
-  }
-  __syncthreads();
+  inverse_level2(A, lda, E, lde);  // the library's level 2, unchanged since v1
 }
 
 template <int V, int kMinBlocks>

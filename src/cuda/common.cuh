@@ -721,6 +721,29 @@ __device__ __forceinline__ void warp_store_c(float* dst, int ld, const float (&a
   dst[(g + 8) * ld + 2 * t + 1] = scale * acc[3];
 }
 
+// The last doubling level of unit_lower_inverse (rows 32..63, columns 0..31: E21 = -E22 (A21 E11)) on four warps,
+// one 8-column strip each (two 16-row C fragments), given E11 and E22 in place; every thread of the block calls
+// it after a barrier, and it ends with one.
+__device__ __forceinline__ void inverse_level2(const float* A, int lda, float* E, int lde) {
+  const int warp = threadIdx.x >> 5;
+  if (warp < 4) {
+    const int c0 = 8 * warp;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(acc[m], A + (32 + 16 * m) * lda, lda, E + c0, lde);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, acc[m], 1.f);
+    __syncwarp();
+    float e21[2][4] = {};
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(e21[m], E + (32 + 16 * m) * lde + 32, lde, E + 32 * lde + c0, lde);
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, e21[m], -1.f);
+  }
+  __syncthreads();
+}
+
 // E = (I + A)^-1 for a 64 x 64 strictly lower A (ld lda), written to E (ld lde); every thread of a kTcThreads
 // block calls it, and it ends with a barrier. The four 16 x 16 diagonal blocks in registers, one thread a
 // column (threads 0..63: right-looking substitution, 120 fmas on a 15-step critical path, no shuffles), while
@@ -771,23 +794,7 @@ __device__ __forceinline__ void unit_lower_inverse(const float* A, int lda, floa
     }
   }
   __syncthreads();
-  // Level 2: rows 32..63, columns 0..31, four strips of 32 rows (two 16-row C fragments).
-  if (warp < 4) {
-    const int c0 = 8 * warp;
-    float acc[2][4] = {};
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(acc[m], A + (32 + 16 * m) * lda, lda, E + c0, lde);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, acc[m], 1.f);
-    __syncwarp();
-    float e21[2][4] = {};
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_mma_f32x3<32>(e21[m], E + (32 + 16 * m) * lde + 32, lde, E + 32 * lde + c0, lde);
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < 2; ++m) warp_store_c(E + (32 + 16 * m) * lde + c0, lde, e21[m], -1.f);
-  }
-  __syncthreads();
+  inverse_level2(A, lda, E, lde);
 }
 
 // ----------------------------------------------------------------------------------------------------
