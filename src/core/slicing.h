@@ -67,21 +67,20 @@ struct LanePlan {
   int64_t block = 0;
 };
 
-// plan_slices on one stream, unless its slices are single kv heads already: then the most streams n in
-// [2, max_lanes] whose plan for limit / n fits that share and has at least n and at most n times as many
-// slices (a second stream halves batch rows, not heads; small slices leave the GPU idle in their superblock
-// kernels and scan tails, which another stream's slice fills; a plan much finer than one stream's loses more
-// to those tails than the overlap wins).
+// plan_slices on one stream, unless it needs several slices: then the most streams n in [2, max_lanes] whose
+// plan for limit / n fits that share and has at least n and at most 2 n times as many slices (small slices
+// leave the GPU idle in their superblock kernels and scan tails, which another stream's slice fills; a plan
+// much finer than one stream's loses more to those tails than the overlap wins).
 template <class Cost>
 LanePlan plan_lanes(const Problem& pr, bool batch_ok, int64_t limit, int max_lanes, Cost cost) {
   LanePlan out;
   out.slices = plan_slices(pr, batch_ok, limit, cost);
   out.block = cost(out.slices[0]);
-  if (out.slices[0].nh != 1) return out;
+  if (out.slices.size() == 1) return out;
   for (int n = max_lanes; n >= 2; --n) {
     std::vector<Slice> more = plan_slices(pr, batch_ok, limit / n, cost);
     const int64_t bn = cost(more[0]);
-    if (bn <= limit / n && more.size() >= size_t(n) && more.size() <= size_t(n) * out.slices.size()) {
+    if (bn <= limit / n && more.size() >= size_t(n) && more.size() <= size_t(2 * n) * out.slices.size()) {
       out.slices = std::move(more);
       out.lanes = n;
       out.block = bn;

@@ -121,19 +121,41 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   return Status::Ok();
 }
 
-// Two-level scan (PaTH only): the superblock table, keys moved to their superblock's end, superblock products.
-Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr) {
+// Two-level scan (PaTH only): the superblock table, keys moved to their superblock's end (unless the caller
+// places them: own_ks false), superblock products.
+Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, bool own_ks = true) {
   kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
   if (kp.nsuper == 0) return Status::Ok();
   const size_t NT = size_t(pr.B) * pr.T;
   int32_t* sf = nullptr;
   PA_TRY(upload_table(ws, t.super_first, &sf));
   kp.super_first = sf;
-  __half* ks = nullptr;
-  PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
-  kp.ks = ks;
+  if (own_ks) {
+    __half* ks = nullptr;
+    PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
+    kp.ks = ks;
+  }
   PA_CU(ws.alloc(&kp.ps, size_t(kp.nsuper) * pr.H * pr.K * pr.K));
   return Status::Ok();
+}
+
+// Buffers laid out in one workspace piece, each at a 512-byte boundary; `at` places a buffer at an offset
+// another buffer dead by then also uses (the piece grows to cover it).
+struct Layout {
+  size_t bytes = 0;
+  size_t add(size_t n) {
+    const size_t off = bytes;
+    bytes += (n + 511) / 512 * 512;
+    return off;
+  }
+  size_t at(size_t off, size_t n) {
+    bytes = std::max(bytes, off + (n + 511) / 512 * 512);
+    return off;
+  }
+};
+template <typename T>
+T* piece(char* base, size_t off) {
+  return base ? reinterpret_cast<T*>(base + off) : nullptr;
 }
 
 int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
@@ -273,16 +295,14 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, NT * HQ * K));
-  PA_CU(ws.alloc(&kp.dvdiag, NT * HQ * V));
   PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
-  PA_CU(ws.alloc(&kp.dkt, NT * H * K));
   if (pr.gate) {
     PA_CU(ws.alloc(&kp.dgrow, NT * HQ));
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
     PA_CU(ws.zero(kp.dgcol, NT * HQ * sizeof(float)));
   }
   PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
-  PA_TRY(alloc_super(ws, kp, t, pr));
+  PA_TRY(alloc_super(ws, kp, t, pr, /*own_ks=*/false));  // ks: in the shared piece below
   // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
@@ -291,12 +311,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     PA_CU(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin));
     sb_rows = super_bwd_rows(int(K), kp.nsuper * int(H), p.deterministic, sms, optin);
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
-    __half* qhat = nullptr;
-    PA_CU(ws.alloc(&qhat, NT * HQ * K));
-    kp.qhat = qhat;
     PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
-    PA_CU(ws.alloc(&kp.sscr, size_t(sb_grid) * kSuperChunks * sb_rows * K));
     PA_CU(ws.zero(kp.dks, NT * H * K * sizeof(float)));
     PA_CU(ws.zero(kp.dps, size_t(kp.nsuper) * H * K * K * sizeof(float)));
   }
@@ -347,18 +363,46 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   float2* lsd = nullptr;
   bool zero_qhat = false;
-  if (!kfar_tiles.empty()) {
+  const bool kfar = !kfar_tiles.empty();
+  if (kfar) {
     kfar_grid = far_grid(int64_t(kfar_tiles.size()) * int64_t(H));
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
     scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, kpark, int(K)));
     PA_TRY(upload_table(ws, kfar_tiles, &kfar_dev));
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
-    PA_CU(ws.alloc(&kp.dvk, NT * H * V));  // the far part of dv, for bwd_k
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
   }
-  PA_CU(ws.alloc(&kp.scratch, scratch_elems));
+  // Buffers that are never live at once share memory (kernel order: chunk_prep, super_prep, bwd_q, bwd_q_far,
+  // bwd_k_far, bwd_k, super_bwd, bwd_chunk). Piece 1: qhat and ks (super_prep / bwd_q .. bwd_k_far), then dkt
+  // (bwd_k .. bwd_chunk) over them where bwd_k_far ran (bwd_k reads qhat otherwise). Piece 2: dvdiag, dvk
+  // and the persistent grids' scratch (bwd_q .. bwd_k), then super_bwd's scratch over them.
+  Layout l1, l2;
+  size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
+  if (kp.nsuper > 0) {
+    qhat_off = l1.add(NT * HQ * K * sizeof(__half));
+    ks_off = l1.add(NT * H * K * sizeof(__half));
+  }
+  dkt_off = kfar ? l1.at(0, NT * H * K * sizeof(float)) : l1.add(NT * H * K * sizeof(float));
+  // With MHA, bwd_k_far adds the far part of dv into dvdiag (kp.dvk_merged) rather than into a dvk of its own.
+  kp.dvk_merged = kfar && HQ == H;
+  const size_t dvdiag_off = l2.add(NT * HQ * V * sizeof(float));
+  const size_t dvk_off = kfar && !kp.dvk_merged ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
+  const size_t scratch_off = l2.add(scratch_elems * sizeof(__half));
+  const size_t sscr_off = l2.at(0, size_t(sb_grid) * kSuperChunks * sb_rows * K * sizeof(float));
+  char *b1 = nullptr, *b2 = nullptr;
+  PA_CU(ws.alloc(&b1, l1.bytes));
+  PA_CU(ws.alloc(&b2, l2.bytes));
+  if (kp.nsuper > 0) {
+    kp.qhat = piece<__half>(b1, qhat_off);
+    kp.ks = piece<__half>(b1, ks_off);
+    kp.sscr = piece<float>(b2, sscr_off);
+  }
+  kp.dkt = piece<float>(b1, dkt_off);
+  kp.dvdiag = piece<float>(b2, dvdiag_off);
+  if (kfar) kp.dvk = piece<float>(b2, dvk_off);  // the far part of dv, for bwd_k
+  kp.scratch = piece<__half>(b2, scratch_off);
   int* far_next = nullptr;  // the far kernels' item counters
   PA_CU(ws.alloc(&far_next, 2));
   if (ws.measuring()) return Status::Ok();
@@ -473,13 +517,15 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
     Workspace ws(s);
     return run(p, pr, ws);
   }
-  // Streams by core::plan_lanes with at most kMaxLanes = 2: two when one stream's slices are single kv heads
-  // already (so the second stream halves batch rows, not heads), the halved slices fit half the limit and are
-  // at most twice as many; else one. Measured
-  // (forward+backward, ms, one stream -> two): K = 128 (one head per slice): T = 1k 26.9 -> 24.4, T = 4k
-  // 38.3 -> 32.7; K = 64 (three or four heads per slice on one stream): T = 4k 30.1 -> 32.3, T = 16k
-  // 72.3 -> 78; K = 128, T = 8k, 16 slices of four rows -> 64 of one row: 69.6 with two streams. The first
-  // slice of a plan is its largest (the others are it or a remainder), so its workspace sizes the blocks.
+  // Streams by core::plan_lanes with at most kMaxLanes = 2: two when the call needs several slices and the
+  // slices for half the limit number at least two and at most four times one stream's; else one. Measured
+  // (forward + backward, ms, with bwd_run's workspace sharing): two streams for single-head slices only ->
+  // for any: K = 128, T = 2k 22.15 -> 19.72, 4k 25.39 -> 23.16 (backward: 8 slices of two heads on one stream
+  // -> 16 of one head on two); at most twice as many slices -> four times: K = 64, T = 2k 20.05 -> 19.52, 4k
+  // 24.75 -> 23.61, 8k 32.39 -> 31.17 (backward: 7 slices of five heads on one stream -> 16 of two heads on
+  // two), K = 128, T = 1k 17.57 -> 16.88, 8k 31.43 -> 30.89 (8 slices of two heads -> 32 of one head and half
+  // the rows). The first slice of a plan is its largest (the others are it or a remainder), so its workspace
+  // sizes the blocks.
   const bool batch_ok = !p.cu_seqlens.present();
   core::LanePlan plan = core::plan_lanes(pr, batch_ok, limit, kMaxLanes, cost);
   const std::vector<Slice>& slices = plan.slices;

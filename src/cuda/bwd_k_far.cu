@@ -310,14 +310,21 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       acc_alone(n_q + uint32_t(j1) - 1);
     }
     n_q += uint32_t(nit);
-    // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys.
+    // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys (rows of full chunks).
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t row = (tokk0 + 16 * warp + g + 8 * hr) * p.H + h;
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt) {
         *reinterpret_cast<float2*>(p.dks + row * K + 8 * nt + 2 * t4) = make_float2(hk[nt][2 * hr], hk[nt][2 * hr + 1]);
-        *reinterpret_cast<float2*>(p.dvk + row * V + 8 * nt + 2 * t4) = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+        float2* dvr = reinterpret_cast<float2*>(p.dvk + row * V + 8 * nt + 2 * t4);
+        float2 x = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+        if (p.dvk_merged) {  // dvk is dvdiag (MHA): add to bwd_q's diagonal part
+          const float2 d = *dvr;
+          x.x += d.x;
+          x.y += d.y;
+        }
+        *dvr = x;
       }
     }
   }

@@ -68,12 +68,12 @@ std::vector<int64_t> shape(const core::LanePlan& p) {
   return {p.lanes, int64_t(p.slices.size()), p.block};
 }
 
-TEST(Slicing, LanesOnlyForSingleHeadSlicesThatHalveWell) {
+TEST(Slicing, LanesWhereHalvedSlicesFitAndAreNotTooMany) {
   auto cost = [](const Slice& s) { return int64_t(100 + 10 * s.nh * s.nb); };
   // Whole call fits: one stream, one slice.
   core::LanePlan a = core::plan_lanes(problem(4, 2, 1), true, 1000, 4, cost);
   EXPECT_EQ(shape(a), (std::vector<int64_t>{1, 1, 180}));
-  // Slices of several heads: one stream (another would split heads further).
+  // Half the limit (80) holds no slice: one stream.
   core::LanePlan b = core::plan_lanes(problem(3, 5, 2), true, 160, 4, cost);
   EXPECT_EQ(b.lanes, 1);
   EXPECT_EQ(flat(b.slices), flat(core::plan_slices(problem(3, 5, 2), true, 160, cost)));
@@ -81,18 +81,27 @@ TEST(Slicing, LanesOnlyForSingleHeadSlicesThatHalveWell) {
   const core::Problem p8 = problem(8, 2, 1);
   core::LanePlan c = core::plan_lanes(p8, true, 200, 4, cost);  // shares of 100, 66, 50 hold no row
   EXPECT_EQ(shape(c), (std::vector<int64_t>{1, 2, 180}));
-  // A share that holds slices, but too many: 240 / 2 = 120 holds 2 rows, 8 slices > 2 x 2.
+  // 240 / 2 = 120 holds 2 rows: 8 slices, four times one stream's 2: taken.
   core::LanePlan d = core::plan_lanes(p8, true, 240, 4, cost);
-  EXPECT_EQ(shape(d), (std::vector<int64_t>{1, 2, 180}));
+  EXPECT_EQ(shape(d), (std::vector<int64_t>{2, 8, 120}));
+  // 220 / 2 = 110 holds 1 row: 16 slices > 4 x 2: one stream.
+  core::LanePlan e = core::plan_lanes(p8, true, 220, 4, cost);
+  EXPECT_EQ(shape(e), (std::vector<int64_t>{1, 2, 180}));
+  // Slices of several heads go to two streams too: 8 heads of one row (20 + 10 a head), limit 60: one stream
+  // takes 4 heads a slice, two streams 1 (8 slices <= 4 x 2).
+  auto small = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
+  core::LanePlan f = core::plan_lanes(problem(1, 8, 1), false, 60, 2, small);
+  EXPECT_EQ(shape(f), (std::vector<int64_t>{2, 8, 30}));
+  EXPECT_EQ(f.slices[1].h0, 1);
   // Many rows of one head (cost 20 + 10 a row), limit 150: 13 rows fit one stream's slices, so two slices,
   // filled evenly: 8 rows each (100).
   const core::Problem p16 = problem(16, 1, 1);
   auto big = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
   core::LanePlan g = core::plan_lanes(p16, true, 150, 4, big);
-  // Four streams (37): 1 row, 16 slices > 4 x 2: refused. Three (50): 3 rows, 6 slices <= 6: taken (the most
-  // streams that qualify). With at most two (75): 5 rows fit, 4 slices, of 4 rows (60).
+  // Four streams (37): 1 row, 16 slices <= 8 x 2: taken (the most streams that qualify). With at most two
+  // (75): 5 rows fit, 4 slices, of 4 rows (60).
   EXPECT_EQ(core::plan_slices(p16, true, 150, big).size(), 2u);
-  EXPECT_EQ(shape(g), (std::vector<int64_t>{3, 6, 50}));
+  EXPECT_EQ(shape(g), (std::vector<int64_t>{4, 16, 30}));
   EXPECT_EQ(shape(core::plan_lanes(p16, true, 150, 2, big)), (std::vector<int64_t>{2, 4, 60}));
   // Rows may not be split (varlen): the halved limit holds no slice, one stream.
   EXPECT_EQ(core::plan_lanes(p16, false, 150, 4, big).lanes, 1);
