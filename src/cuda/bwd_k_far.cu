@@ -318,13 +318,11 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int nt = 0; nt < K / 8; ++nt) {
         *reinterpret_cast<float2*>(p.dks + row * K + 8 * nt + 2 * t4) = make_float2(hk[nt][2 * hr], hk[nt][2 * hr + 1]);
         float2* dvr = reinterpret_cast<float2*>(p.dvk + row * V + 8 * nt + 2 * t4);
-        float2 x = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
-        if (p.dvk_merged) {  // dvk is dvdiag (MHA): add to bwd_q's diagonal part
-          const float2 d = *dvr;
-          x.x += d.x;
-          x.y += d.y;
-        }
-        *dvr = x;
+        const float2 x = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+        // dvk is dvdiag (MHA): added to bwd_q's diagonal part without waiting for it (a reduction, no load; the
+        // one add to each element, so the result is deterministic).
+        if (p.dvk_merged) atomicAdd(dvr, x);
+        else *dvr = x;
       }
     }
   }
