@@ -121,35 +121,29 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   return Status::Ok();
 }
 
-// Two-level scan (PaTH only): the superblock table, keys moved to their superblock's end (unless the caller
-// places them: own_ks false), superblock products.
-Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, bool own_ks = true) {
+// Two-level scan (PaTH only): the superblock table and the superblock products. The keys moved to their
+// superblock's end (kp.ks, [NT, H, K]) are the caller's to place (the backward shares their memory).
+Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr) {
   kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
   if (kp.nsuper == 0) return Status::Ok();
-  const size_t NT = size_t(pr.B) * pr.T;
   int32_t* sf = nullptr;
   PA_TRY(upload_table(ws, t.super_first, &sf));
   kp.super_first = sf;
-  if (own_ks) {
-    __half* ks = nullptr;
-    PA_CU(ws.alloc(&ks, NT * pr.H * pr.K));
-    kp.ks = ks;
-  }
   PA_CU(ws.alloc(&kp.ps, size_t(kp.nsuper) * pr.H * pr.K * pr.K));
   return Status::Ok();
 }
 
-// Buffers laid out in one workspace piece, each at a 512-byte boundary; `at` places a buffer at an offset
-// another buffer dead by then also uses (the piece grows to cover it).
+// Buffers laid out in one workspace piece, each rounded as the workspace rounds its pieces; `at` places a
+// buffer at an offset another buffer dead by then also uses (the piece grows to cover it).
 struct Layout {
   size_t bytes = 0;
   size_t add(size_t n) {
     const size_t off = bytes;
-    bytes += (n + 511) / 512 * 512;
+    bytes += Workspace::rounded(n);
     return off;
   }
   size_t at(size_t off, size_t n) {
-    bytes = std::max(bytes, off + (n + 511) / 512 * 512);
+    bytes = std::max(bytes, off + Workspace::rounded(n));
     return off;
   }
 };
@@ -230,6 +224,11 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
   PA_TRY(alloc_super(ws, kp, t, pr));
+  if (kp.nsuper > 0) {
+    __half* ks = nullptr;
+    PA_CU(ws.alloc(&ks, size_t(pr.B) * pr.T * pr.H * pr.K));
+    kp.ks = ks;
+  }
   // The far part on Hopper (fwd_far.cu), where this build, the device and the call's shapes allow it.
   std::vector<int32_t> far_tiles;
   if (far_worth_it(kp, t) && fwd_far_usable(kp)) far_tiles = far_query_tiles(t);
@@ -302,7 +301,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     PA_CU(ws.zero(kp.dgcol, NT * HQ * sizeof(float)));
   }
   PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
-  PA_TRY(alloc_super(ws, kp, t, pr, /*own_ks=*/false));  // ks: in the shared piece below
+  PA_TRY(alloc_super(ws, kp, t, pr));  // ks: in the shared piece below
   // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
@@ -385,10 +384,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     ks_off = l1.add(NT * H * K * sizeof(__half));
   }
   dkt_off = kfar ? l1.at(0, NT * H * K * sizeof(float)) : l1.add(NT * H * K * sizeof(float));
-  // With MHA, bwd_k_far adds the far part of dv into dvdiag (kp.dvk_merged) rather than into a dvk of its own.
-  kp.dvk_merged = kfar && HQ == H;
+  // With MHA, bwd_k_far adds the far part of dv into dvdiag (dvk is dvdiag: kp.dvk_merged()) rather than into
+  // a dvk of its own.
   const size_t dvdiag_off = l2.add(NT * HQ * V * sizeof(float));
-  const size_t dvk_off = kfar && !kp.dvk_merged ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
+  const size_t dvk_off = kfar && HQ != H ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
   const size_t scratch_off = l2.add(scratch_elems * sizeof(__half));
   const size_t sscr_off = l2.at(0, size_t(sb_grid) * kSuperChunks * sb_rows * K * sizeof(float));
   char *b1 = nullptr, *b2 = nullptr;

@@ -281,7 +281,7 @@ struct BwdK {
         }
 #pragma unroll
         for (int nt = 0; nt < V / 8; ++nt) {  // merged: the far part is in dvdiag, added below
-          const float2 x = p.dvk_merged ? make_float2(0.f, 0.f)
+          const float2 x = p.dvk_merged() ? make_float2(0.f, 0.f)
                                         : *reinterpret_cast<const float2*>(p.dvk + row * V + 8 * nt + 2 * t4);
           dv[nt][2 * hr] = x.x;
           dv[nt][2 * hr + 1] = x.y;

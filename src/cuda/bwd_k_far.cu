@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         const float2 x = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
         // dvk is dvdiag (MHA): added to bwd_q's diagonal part without waiting for it (a reduction, no load; the
         // one add to each element, so the result is deterministic).
-        if (p.dvk_merged) atomicAdd(dvr, x);
+        if (p.dvk_merged()) atomicAdd(dvr, x);
         else *dvr = x;
       }
     }

@@ -42,7 +42,7 @@ class Workspace {
   template <typename T>
   cudaError_t alloc(T** out, size_t count) {
     const size_t bytes = std::max<size_t>(count, 1) * sizeof(T), off = bytes_;
-    bytes_ += (bytes + kRound - 1) / kRound * kRound;
+    bytes_ += rounded(bytes);
     *out = nullptr;
     if (measure_) return cudaSuccess;
     if (arena_) {
@@ -62,6 +62,7 @@ class Workspace {
     return measure_ ? cudaSuccess : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s_);
   }
   bool measuring() const { return measure_; }
+  static size_t rounded(size_t bytes) { return (bytes + kRound - 1) / kRound * kRound; }  // a piece's extent
   size_t bytes() const { return bytes_; }  // handed out (or, measuring, would be) so far
 
  private:

@@ -90,7 +90,7 @@ struct KernelParams {
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
   float* dvk;       // [NT, H, V]   the far superblocks' P^T dO summed over the group (bwd_k_far; else null;
-                    //              dvdiag itself where dvk_merged)
+                    //              dvdiag itself where dvk_merged())
   __half* scratch;  // [grid, scratch_slots, C, K] per-CTA transported states (memory-linear in T)
   // Two-level backward (full superblocks; PaTH only).
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
@@ -98,12 +98,14 @@ struct KernelParams {
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
   float* sscr;      // [grid, kSuperChunks, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
   bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
-  bool dvk_merged;  // dvk is dvdiag (MHA): bwd_k_far adds the far part into it, bwd_k reads dvdiag alone
   int qfar;         // the query side split around bwd_q_far: 0 no split; 1 bwd_q writes qhat only; 2 bwd_q runs
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool deterministic;
   int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
                     // query side's next item (zeroed)
+
+  // dvk is dvdiag (MHA, bwd_run): bwd_k_far adds the far part of dv into it, bwd_k reads dvdiag alone.
+  __host__ __device__ bool dvk_merged() const { return dvk != nullptr && dvk == dvdiag; }
 };
 
 }  // namespace pathattn::cuda

@@ -54,8 +54,8 @@ cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int nt
                              int* next, int dtype, cudaStream_t s);
 // Key side's far part on sm_90a (bwd_k_far.cu), after bwd_q (qhat): per (tile of the two chunks of a superblock
 // pair with later superblocks in their sequence, kv head), writes dks and the far part of dv (into dvk, or added
-// into dvdiag where p.dvk_merged); bwd_k then runs with p.kfar set. `tiles`: each tile's first (even) chunk's table index, most work first; lsd: [HQ][nchunks][64]
-// float2 (filled here); the parked key states go to p.scratch (bwd_k_far_park_elems 16-bit elements, park_slots
+// into dvdiag where p.dvk_merged()); bwd_k then runs with p.kfar set. `tiles`: each tile's first (even) chunk's
+// table index, most work first; lsd: [HQ][nchunks][64] float2 (filled here); the parked key states go to p.scratch (bwd_k_far_park_elems 16-bit elements, park_slots
 // states a CTA: the most superblocks any tile's keys cross, last_sb - sbk - 1, at least 1); grid from
 // far_grid; `next` a zeroed int (its item counter). bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
 // (no gate).

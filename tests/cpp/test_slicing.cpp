@@ -89,14 +89,13 @@ TEST(Slicing, LanesWhereHalvedSlicesFitAndAreNotTooMany) {
   EXPECT_EQ(shape(e), (std::vector<int64_t>{1, 2, 180}));
   // Slices of several heads go to two streams too: 8 heads of one row (20 + 10 a head), limit 60: one stream
   // takes 4 heads a slice, two streams 1 (8 slices <= 4 x 2).
-  auto small = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
-  core::LanePlan f = core::plan_lanes(problem(1, 8, 1), false, 60, 2, small);
+  auto big = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
+  core::LanePlan f = core::plan_lanes(problem(1, 8, 1), false, 60, 2, big);
   EXPECT_EQ(shape(f), (std::vector<int64_t>{2, 8, 30}));
   EXPECT_EQ(f.slices[1].h0, 1);
   // Many rows of one head (cost 20 + 10 a row), limit 150: 13 rows fit one stream's slices, so two slices,
   // filled evenly: 8 rows each (100).
   const core::Problem p16 = problem(16, 1, 1);
-  auto big = [](const Slice& s) { return int64_t(20 + 10 * s.nh * s.nb); };
   core::LanePlan g = core::plan_lanes(p16, true, 150, 4, big);
   // Four streams (37): 1 row, 16 slices <= 8 x 2: taken (the most streams that qualify). With at most two
   // (75): 5 rows fit, 4 slices, of 4 rows (60).
