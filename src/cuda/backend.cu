@@ -295,6 +295,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, NT * HQ * K));
   PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
+  PA_CU(ws.alloc(&kp.E, size_t(kp.nchunks) * H * kChunk * kChunk));  // chunk_prep -> bwd_chunk
   if (pr.gate) {
     PA_CU(ws.alloc(&kp.dgrow, NT * HQ));
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
@@ -374,22 +375,26 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
   }
   // Buffers that are never live at once share memory (kernel order: chunk_prep, super_prep, bwd_q, bwd_q_far,
-  // bwd_k_far, bwd_k, super_bwd, bwd_chunk). Piece 1: qhat and ks (super_prep / bwd_q .. bwd_k_far), then dkt
-  // (bwd_k .. bwd_chunk) over them where bwd_k_far ran (bwd_k reads qhat otherwise). Piece 2: dvdiag, dvk
-  // and the persistent grids' scratch (bwd_q .. bwd_k), then super_bwd's scratch over them.
+  // bwd_k_far, bwd_k, super_bwd, bwd_chunk). dkt (bwd_k .. bwd_chunk): over qhat and ks (super_prep / bwd_q
+  // .. bwd_k_far) where bwd_k_far ran; else (bwd_k reads qhat), with MHA and K = V, over dvdiag, whose layout
+  // it has (bwd_k reads a thread's dvdiag elements before it writes the same dkt elements). Piece 2: dvdiag,
+  // dvk and the persistent grids' scratch (bwd_q .. bwd_k), then super_bwd's scratch over all of them but a
+  // dvdiag that holds dkt.
+  const bool dkt_on_dvdiag = !kfar && HQ == H && K == V;
   Layout l1, l2;
   size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
   if (kp.nsuper > 0) {
     qhat_off = l1.add(NT * HQ * K * sizeof(__half));
     ks_off = l1.add(NT * H * K * sizeof(__half));
   }
-  dkt_off = kfar ? l1.at(0, NT * H * K * sizeof(float)) : l1.add(NT * H * K * sizeof(float));
+  if (!dkt_on_dvdiag) dkt_off = kfar ? l1.at(0, NT * H * K * sizeof(float)) : l1.add(NT * H * K * sizeof(float));
   // With MHA, bwd_k_far adds the far part of dv into dvdiag (dvk is dvdiag: kp.dvk_merged()) rather than into
   // a dvk of its own.
-  const size_t dvdiag_off = l2.add(NT * HQ * V * sizeof(float));
+  const size_t dvdiag_off = l2.add(NT * HQ * V * sizeof(float)), after_dvdiag = l2.bytes;
   const size_t dvk_off = kfar && HQ != H ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
   const size_t scratch_off = l2.add(scratch_elems * sizeof(__half));
-  const size_t sscr_off = l2.at(0, size_t(sb_grid) * kSuperChunks * sb_rows * K * sizeof(float));
+  const size_t sscr_off =
+      l2.at(dkt_on_dvdiag ? after_dvdiag : 0, size_t(sb_grid) * kSuperChunks * sb_rows * K * sizeof(float));
   char *b1 = nullptr, *b2 = nullptr;
   PA_CU(ws.alloc(&b1, l1.bytes));
   PA_CU(ws.alloc(&b2, l2.bytes));
@@ -398,7 +403,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     kp.ks = piece<__half>(b1, ks_off);
     kp.sscr = piece<float>(b2, sscr_off);
   }
-  kp.dkt = piece<float>(b1, dkt_off);
+  kp.dkt = dkt_on_dvdiag ? piece<float>(b2, dvdiag_off) : piece<float>(b1, dkt_off);
   kp.dvdiag = piece<float>(b2, dvdiag_off);
   if (kfar) kp.dvk = piece<float>(b2, dvk_off);  // the far part of dv, for bwd_k
   kp.scratch = piece<__half>(b2, scratch_off);
@@ -457,13 +462,45 @@ using core::Slice;
 using core::sub_params;
 using core::sub_problem;
 
-// A second stream for slices, ordered after the caller's stream's work at creation; its work joins the
-// caller's stream again on destruction (also on error returns).
+// The second stream of sliced calls: one per host thread and device, created on first use and kept until the
+// thread ends (a new stream each call cost 0.4 .. 0.9 ms a forward+backward at K = 128, T = 1k .. 8k; the
+// stream-ordered pool passing the side blocks between streams is the likely cause). Per thread, so that calls
+// from several threads (or a graph capture on one of them) never share it.
+class SideStreams {
+ public:
+  ~SideStreams() {
+    for (cudaStream_t s : streams_)
+      if (s) cudaStreamDestroy(s);  // errors ignored: at process exit the runtime may be gone already
+  }
+  cudaError_t get(cudaStream_t* out) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (streams_.size() <= size_t(dev)) streams_.resize(size_t(dev) + 1, nullptr);
+    if (streams_[size_t(dev)] == nullptr) {
+      e = cudaStreamCreateWithFlags(&streams_[size_t(dev)], cudaStreamNonBlocking);
+      if (e != cudaSuccess) return e;
+    }
+    *out = streams_[size_t(dev)];
+    return cudaSuccess;
+  }
+
+ private:
+  std::vector<cudaStream_t> streams_;
+};
+
+cudaError_t thread_side_stream(cudaStream_t* out) {
+  static thread_local SideStreams streams;
+  return streams.get(out);
+}
+
+// The side stream for one call's slices, ordered after the caller's stream's work at open(); its work joins
+// the caller's stream again on destruction (also on error returns).
 class SideStream {
  public:
   explicit SideStream(cudaStream_t main) : main_(main) {}
   Status open() {
-    PA_CU(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    PA_CU(thread_side_stream(&side_));
     PA_CU(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
     PA_CU(cudaEventRecord(ev_, main_));
     PA_CU(cudaStreamWaitEvent(side_, ev_, 0));
@@ -472,7 +509,6 @@ class SideStream {
   ~SideStream() {
     if (side_ && ev_ && cudaEventRecord(ev_, side_) == cudaSuccess) cudaStreamWaitEvent(main_, ev_, 0);
     if (ev_) cudaEventDestroy(ev_);
-    if (side_) cudaStreamDestroy(side_);  // released once its work is done
   }
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;

@@ -1,7 +1,8 @@
 // cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
-// accumulation; the products that rebuild A and W2 in split tf32, as in chunk_prep). It recomputes the UT
-// transform of the chunk and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per
-// query head dq~ and dA_loc) back through
+// accumulation). It takes E from the backward's chunk_prep (p.E, fp32) and W2 from its fp16 copy w2h (the one
+// the scans transport with; every product here rounds W2 to tf32's 10-bit mantissa anyway), rebuilds Z and U,
+// and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per query head dq~ and dA_loc)
+// back through
 //   A = strict_lower(diag(b) W W^T), E = (I + A)^-1, W2 = E diag(b) W, Z = strict_lower(W K^T),
 //   U = E diag(b) Z, k~ = K - U^T W, P = I - W^T W2, X = tril_incl(Q W^T), q~ = Q - X W2,
 //   A_loc = tril_incl(Q K^T - X U)
@@ -19,8 +20,8 @@ constexpr int kThreads = kTcThreads;
 // kStageDA: a query head's dA_loc is staged in shared memory (dAs) rather than read from global memory inside
 // the products; kStageDQ (with kStageDA): its dq~ too (dQs). Chosen at launch where the device allows the larger
 // block (kStageDA: not on sm_80 at K = 64; kStageDQ: on sm_90). At K = 64 dQs has its own region; at K = 128
-// it lies over Zs and Es, which the query heads' loop does not read: E is parked in the chunk's dP block of
-// global memory (read only before the loop) and Z recomputed after it.
+// it lies over Zs and Es, which the query heads' loop does not read: E is read from p.E again and Z
+// recomputed after it.
 template <int K, bool kStageDA, bool kStageDQ = false>
 struct BwdChunkSmem {
   static_assert(kStageDA || !kStageDQ, "dq~ is staged only with dA_loc");
@@ -88,15 +89,26 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
                                           [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; });
   };
-  block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { Xs[r * LC + c] = c < r ? bs[r] * v : 0.f; });
-  __syncthreads();
-  PA_PROBE(2);
-  unit_lower_inverse(Xs, LC, Es, LC);
-  __syncthreads();
-  PA_PROBE(3);
-  block_mm_tc<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? Es[r * LC + s] * bs[s] : 0.f; },
-                                       [&](int s, int d) { return Wf[s * LW + d]; },
-                                       [&](int r, int d, float v) { W2f[r * LW + d] = v; });
+  // E from chunk_prep; W2 from w2h (rows past the end: zero, as E diag(b) W is there).
+  const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
+  auto load_e = [&]() {
+    for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
+      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
+      *reinterpret_cast<float4*>(Es + r * LC + c) = *reinterpret_cast<const float4*>(Eg + r * kChunk + c);
+    }
+  };
+  load_e();
+  for (int i = tid; i < kChunk * K / 4; i += kThreads) {
+    const int r = i / (K / 4), d = 4 * (i % (K / 4));
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < nq) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p.w2h + ((tok0 + r) * p.H + h) * K + d);
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+      x = make_float4(a.x, a.y, b.x, b.y);
+    }
+    *reinterpret_cast<float4*>(W2f + r * LW + d) = x;
+  }
   compute_z();
   __syncthreads();
   PA_PROBE(4);
@@ -145,16 +157,6 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     mma_tc_acc<kChunk, K, K, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
     mma_tc_acc<kChunk, K, K, false>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
                                     [&](int k, int a) { return -Dm[a * K + k]; });
-  }
-
-  // E parked in this chunk's dP block (D's rows were staged before the barrier above; nothing reads dP after
-  // this kernel). Each thread reads back below what it writes here.
-  float* Epark = p.dP + (int64_t(ci) * p.H + h) * K * K;
-  if constexpr (kDQOverZE) {
-    for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
-      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
-      *reinterpret_cast<float4*>(Epark + r * kChunk + c) = *reinterpret_cast<const float4*>(Es + r * LC + c);
-    }
   }
 
   // ---- per query head: dq, and the X / A_loc terms.
@@ -213,11 +215,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
   __syncthreads();
   PA_PROBE(9);
-  if constexpr (kDQOverZE) {  // E back from its parking place, Z recomputed (synchronised before dE below)
-    for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
-      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
-      *reinterpret_cast<float4*>(Es + r * LC + c) = *reinterpret_cast<const float4*>(Epark + r * kChunk + c);
-    }
+  if constexpr (kDQOverZE) {  // E again, Z recomputed (synchronised before dE below)
+    load_e();
     compute_z();
   }
 

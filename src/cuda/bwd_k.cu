@@ -347,9 +347,10 @@ struct BwdK {
       if (qc < last) warp_chunk_step<K>(hk, Ws, W2s, LK);  // h <- h P_qc = h - (h W^T) W2 (own rows)
       query_chunk(qc, Ss, false, true);
     }
-    // ---- outputs: dk~ = h_{kc+1}; dv = the off-diagonal part (summed over the group) plus each query head's
-    // diagonal part (dvdiag, complete: bwd_q ran before), added in head order (a fixed order: deterministic).
-    store_rows(p.dkt + (tokk0 * p.H + h) * K, hk);
+    // ---- outputs: dv = the off-diagonal part (summed over the group) plus each query head's diagonal part
+    // (dvdiag, complete: bwd_q ran before), added in head order (a fixed order: deterministic); then dk~ =
+    // h_{kc+1}. dkt may lie over dvdiag (MHA with K = V, bwd_run): a thread stores dkt's elements after it
+    // has read the same elements of dvdiag, and no other CTA reads these rows.
     T* dvp = static_cast<T*>(p.dv);
     const bool dvvec = vec2_ok(dvp, p.dv_s[0], p.dv_s[1], p.dv_s[2]);
 #pragma unroll
@@ -369,6 +370,7 @@ struct BwdK {
 #pragma unroll
       for (int nt = 0; nt < V / 8; ++nt) store2(dst + 8 * nt, dv[nt][2 * hr], dv[nt][2 * hr + 1], dvvec);
     }
+    store_rows(p.dkt + (tokk0 * p.H + h) * K, hk);
   }
 };
 

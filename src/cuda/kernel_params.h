@@ -88,6 +88,8 @@ struct KernelParams {
   float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns)
   float* dgcol;     // [NT, HQ]     gate-gradient terms of off-diagonal key columns
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
+  float* E;         // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1 (the backward's chunk_prep writes it for
+                    //              bwd_chunk; null in the forward)
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
   float* dvk;       // [NT, H, V]   the far superblocks' P^T dO summed over the group (bwd_k_far; else null;
                     //              dvdiag itself where dvk_merged())

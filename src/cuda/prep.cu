@@ -22,7 +22,8 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   A = strict_lower(diag(b) W W^T); E = (I + A)^-1; W2 = E diag(b) W; Z = strict_lower(W K^T);
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
-// Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, and qtl (fp32), aloc (fp32) per query head.
+// Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp32), aloc (fp32) per query head, and in the
+// backward (p.E set) E (fp32).
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
 // 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
 // [k][col] reads (B operands as stored) are 2-way (measured: ~20% of the chunk kernels' shared wavefronts are
@@ -86,6 +87,13 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   // E = (I + A)^-1 -> R2 (fp32).
   unit_lower_inverse(R1, LC, R2, LC);
   __syncthreads();
+  if (p.E != nullptr) {  // the backward: E for bwd_chunk, which would otherwise rebuild A and invert it again
+    float* Eg = p.E + (int64_t(ih.x) * p.H + h) * kChunk * kChunk;
+    for (int i = tid; i < kChunk * kChunk / 4; i += blockDim.x) {
+      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
+      *reinterpret_cast<float4*>(Eg + r * kChunk + c) = *reinterpret_cast<const float4*>(R2 + r * LC + c);
+    }
+  }
   PA_PROBE(3);
   // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
   block_mm_tc_pairs<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
