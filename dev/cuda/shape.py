@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=32768, help="B * T")
+    ap.add_argument("--HQ", type=int, default=0, help="query heads (0: 2048 / K, as BENCH.md)")
+    ap.add_argument("--H", type=int, default=0, help="kv heads (0: HQ; fewer for GQA)")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--no-time", action="store_true", help="one forward and one backward only (profilers)")
@@ -37,7 +39,8 @@ def main():
     gb.set_workspace_limit(a.ws_limit_mib * 2**20)
     gb.LIB.pathattn_cuda_pool_high_water.restype = ctypes.c_int64
     K, T = a.K, a.T
-    HQ = H = 2048 // K
+    HQ = a.HQ or 2048 // K
+    H = a.H or HQ
     B = max(1, a.tokens // T)
     q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, H, K, K, a.gate, seed=T + K)
     o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
@@ -55,7 +58,7 @@ def main():
     sl = lambda x: None if x is None else x[:1, :n, :1].contiguous()  # noqa: E731
     ref = gb.ref_fp64(sl(q), sl(k), sl(v), sl(w), sl(beta), sl(g))
     err = gb.rel(o[:1, :n, :1], ref)
-    print(f"K {K} T {T} B {B} HQ {HQ}: o rel L2 vs fp64 (first {n} rows, head 0) {err:.2e}", flush=True)
+    print(f"K {K} T {T} B {B} HQ {HQ} H {H}: o rel L2 vs fp64 (first {n} rows, head 0) {err:.2e}", flush=True)
     tf = do_bench(lambda: gb.ours_fwd(q, k, v, w, beta, g, o, lse), warmup=25, rep=100, return_mode="median")
 
     def fb():

@@ -42,6 +42,8 @@ namespace pathattn {
 // Sentinel meaning "use the default" for scale (K^-1/2) and gate_scale (= scale, the flash-linear-attention
 // convention; set gate_scale = 1 for the FoX paper's convention).
 inline constexpr double kDefaultScale = std::numeric_limits<double>::quiet_NaN();
+// The CUDA backend's default workspace limit is the larger of this and the bytes of q, k and v.
+inline constexpr int64_t kDefaultWorkspaceFloor = int64_t(512) << 20;
 
 struct PathFwdParams {
   // Inputs.
@@ -61,11 +63,11 @@ struct PathFwdParams {
   bool validate = false; // also reject non-finite inputs, beta outside [0, 2], | ||w|| - 1 | > 1e-2
   void* stream = nullptr;  // cudaStream_t for the CUDA backend; nullptr = default stream
   // CUDA: bytes of workspace the call may hold at once. The CUDA backend keeps per-token intermediates (the
-  // backward about 2.7 KB per token and head at K = 64, 6 KB at K = 128); when they would exceed the limit it
+  // backward about 2.4 KB per token and head at K = 64, 5 KB at K = 128); when they would exceed the limit it
   // runs the call in slices of kv heads (then of batch rows), each with its own workspace; results are those
-  // of one call. 0 = default, the larger of 256 MiB and the bytes of q, k and v; < 0 = no limit (one slice,
-  // fastest: slicing costs 4-22% at 32k tokens per call, up to 47% with GQA). A single (batch row, kv head)
-  // slice is never split further, so a call may exceed a limit below that slice's need.
+  // of one call. 0 = default, the larger of kDefaultWorkspaceFloor (512 MiB) and the bytes of q, k and v;
+  // < 0 = no limit (one slice, fastest; bench/results/gpu_h200*.md give what slicing costs). A single
+  // (batch row, kv head) slice is never split further, so a call may exceed a limit below that slice's need.
   int64_t workspace_limit = 0;
 };
 

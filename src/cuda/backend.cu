@@ -455,7 +455,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
 int64_t workspace_limit(int64_t requested, const TensorView& q, const TensorView& k, const TensorView& v) {
   if (requested > 0) return requested;
   const int64_t inputs = (q.numel() + k.numel() + v.numel()) * dtype_size(q.dtype);
-  return std::max<int64_t>(int64_t(256) << 20, inputs);
+  return std::max<int64_t>(kDefaultWorkspaceFloor, inputs);
 }
 
 using core::Slice;
