@@ -188,7 +188,7 @@ def main():
     # ---- speed.
     lines.append("\n## Speed (ms; ratio = time / time of cuDNN or FLA)\n")
     lines.append("Ours at the library's default workspace limit (a call whose workspace would exceed the larger of "
-                 "256 MiB and the bytes of q, k, v runs in slices of kv heads / batch rows); the last two columns "
+                 "512 MiB and the bytes of q, k, v runs in slices of kv heads / batch rows); the last two columns "
                  "time the same call with no limit (workspace_limit = -1, one slice).\n")
     lines.append("| K | HQ:H | gate | T | cuDNN fwd | flash fwd | FLA fwd | ours fwd | cuDNN f+b | FLA f+b | ours f+b | "
                  "ours/cuDNN fwd | ours/FLA fwd | ours/cuDNN f+b | ours/FLA f+b | ours f+b, no limit | "

@@ -257,11 +257,11 @@ def backend_available(backend):
 def set_workspace_limit(nbytes):
     """Caps the workspace of the CUDA backend's forward / backward calls that follow (process-wide).
 
-    The CUDA kernels keep per-token intermediates (the backward about 2.7 KB per token and head at K = 64,
-    6 KB at K = 128); a call that would need more than the limit runs in slices of kv heads (then of batch
-    rows), with the same results. 0 (the initial value) = the library's default, the larger of 256 MiB and the
-    bytes of q, k, v; a negative value = no limit (one slice: fastest; slicing costs 4-22% at 32k tokens per
-    call, up to 47% with GQA).
+    The CUDA kernels keep per-token intermediates (the backward about 2.4 KB per token and head at K = 64,
+    5 KB at K = 128); a call that would need more than the limit runs in slices of kv heads (then of batch
+    rows), with the same results. 0 (the initial value) = the library's default, the larger of 512 MiB and the
+    bytes of q, k, v; a negative value = no limit (one slice: fastest; slicing costs up to 7% at 32k tokens per
+    call).
     CPU backends ignore it.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
