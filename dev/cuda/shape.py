@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--HQ", type=int, default=0, help="query heads (0: 2048 / K, as BENCH.md)")
     ap.add_argument("--H", type=int, default=0, help="kv heads (0: HQ; fewer for GQA)")
     ap.add_argument("--gate", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="the backward in deterministic mode")
     ap.add_argument("--check-rows", type=int, default=1024)
     ap.add_argument("--no-time", action="store_true", help="one forward and one backward only (profilers)")
     ap.add_argument("--stall-check", action="store_true",
@@ -46,7 +47,7 @@ def main():
     o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
     gb.LIB.pathattn_cuda_pool_high_water(1)
     gb.ours_fwd(q, k, v, w, beta, g, o, lse)
-    gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+    gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg, a.deterministic)
     torch.cuda.synchronize()
     print(f"workspace high-water {gb.LIB.pathattn_cuda_pool_high_water(0) / 2**20:.0f} MiB "
           f"(limit {'default' if a.ws_limit_mib == 0 else a.ws_limit_mib})", flush=True)
@@ -63,7 +64,7 @@ def main():
 
     def fb():
         gb.ours_fwd(q, k, v, w, beta, g, o, lse)
-        gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+        gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg, a.deterministic)
     tfb = do_bench(fb, warmup=25, rep=100, return_mode="median")
     print(f"fwd {tf:.3f} ms  fwd+bwd {tfb:.3f} ms", flush=True)
     os.environ["PATHATTN_CUDA_PROFILE"] = "1"
