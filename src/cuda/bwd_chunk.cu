@@ -89,26 +89,18 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
                                           [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; });
   };
-  // E from chunk_prep; W2 from w2h (rows past the end: zero, as E diag(b) W is there).
-  const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
+  // E from chunk_prep (all 64 rows, as it wrote them; a plain copy: stage_tile4, which issues all of a thread's
+  // loads first, raised the K = 128 Hopper variant's spills 28 -> 48 bytes here); W2 from w2h (rows past the
+  // end: zero, as E diag(b) W is there).
   auto load_e = [&]() {
+    const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
     for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
       const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
       *reinterpret_cast<float4*>(Es + r * LC + c) = *reinterpret_cast<const float4*>(Eg + r * kChunk + c);
     }
   };
   load_e();
-  for (int i = tid; i < kChunk * K / 4; i += kThreads) {
-    const int r = i / (K / 4), d = 4 * (i % (K / 4));
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (r < nq) {
-      const uint2 u = *reinterpret_cast<const uint2*>(p.w2h + ((tok0 + r) * p.H + h) * K + d);
-      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-      x = make_float4(a.x, a.y, b.x, b.y);
-    }
-    *reinterpret_cast<float4*>(W2f + r * LW + d) = x;
-  }
+  stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2f, LW, tok0, nq);
   compute_z();
   __syncthreads();
   PA_PROBE(4);
