@@ -465,11 +465,26 @@ struct TcTile {
   static constexpr int NTW = N / (8 * WN);
   static_assert(MTILES % WM == 0 && N % (8 * WN) == 0, "TcTile: unsupported tile shape");
   using Acc = float[MPW][NTW][4];
+  // The warp's m-tile wm and n-group wn. In a 4 x 4 warp grid (64-row products) the warps of one scheduler
+  // (warp % 4) get one m-tile each (wm = warp / 4) and n-groups that are a Latin square over the schedulers,
+  // so that the triangular products' unequal warps (row blocks of the k spans, tiles the output mask clears:
+  // KSpan) spread evenly: each scheduler holds 2 or 3 of the 10 lower tiles, and one warp of each row block.
+  // Which warp owns an output never changes a sum's order: results are the same bits under any mapping.
+  __device__ static __forceinline__ void coords(int warp, int& wm, int& wn) {
+    if constexpr (WM == 4 && WN == 4) {
+      wm = warp >> 2;
+      wn = (0x1b4ee1b4u >> (2 * (4 * (warp & 3) + wm))) & 3;
+    } else {
+      wm = warp % WM;
+      wn = warp / WM;
+    }
+  }
   // f(r, c, value&, value&) for every pair of outputs (columns c, c + 1; c even) this thread owns.
   template <class F>
   __device__ static __forceinline__ void each_pair(Acc& acc, F f) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wm = warp % WM, wn = warp / WM;
+    int wm, wn;
+    coords(warp, wm, wn);
 #pragma unroll
     for (int mi = 0; mi < MPW; ++mi)
 #pragma unroll
@@ -517,7 +532,8 @@ template <int M, int N>
 __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile<M, N>::Acc& acc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using TT = TcTile<M, N>;
-  const int warp = threadIdx.x >> 5, wm = warp % TT::WM, wn = warp / TT::WM;
+  int wm, wn;
+  TT::coords(threadIdx.x >> 5, wm, wn);
 #pragma unroll
   for (int mi = 0; mi < TT::MPW; ++mi)
 #pragma unroll
@@ -528,15 +544,53 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
 #endif
 }
 
-// acc += A B over this thread's outputs (no synchronisation).
-template <int M, int N, int KD, bool kX3, class FA, class FB>
-__device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a, FB b) {
+// Where a product's terms can be non-zero: bounds on the inner index k relative to the output row r and column
+// c, and on the output itself, from the operands' and the output mask's triangles. mma_tc_acc narrows each
+// warp's k loop to the indices its rows [r0, r1) and columns [c0, c1) can use (an empty range where the mask
+// clears the warp's whole output tile). The terms skipped are exact zeros (the accessors return 0 there), so
+// the sums are bitwise those of the full loop. The chunk kernels' products are triangular almost everywhere
+// (A, Z, U, X, A_loc, their adjoints): chunk_prep's full loops issued 1.7x the tensor work its products need.
+struct KSpan {
+  static constexpr int kNone = 1 << 20;
+  int k_min_r = -kNone, k_max_r = kNone, k_min_c = -kNone, k_max_c = kNone, out_c_max_r = kNone;
+  // k >= r + d (an A operand that is zero left of the diagonal shifted by d, e.g. L^T with L lower: d = 0)
+  __host__ __device__ constexpr KSpan kmin_r(int d) const { KSpan s = *this; s.k_min_r = d; return s; }
+  // k <= r + d (an A operand lower triangular: d = 0 inclusive, -1 strict)
+  __host__ __device__ constexpr KSpan kmax_r(int d) const { KSpan s = *this; s.k_max_r = d; return s; }
+  // k >= c + d (a B operand lower triangular in (k, c))
+  __host__ __device__ constexpr KSpan kmin_c(int d) const { KSpan s = *this; s.k_min_c = d; return s; }
+  // k <= c + d (a B operand upper triangular in (k, c))
+  __host__ __device__ constexpr KSpan kmax_c(int d) const { KSpan s = *this; s.k_max_c = d; return s; }
+  // the output kept only where c <= r + d (lower: d = 0 inclusive, -1 strict)
+  __host__ __device__ constexpr KSpan out_lower(int d) const { KSpan s = *this; s.out_c_max_r = d; return s; }
+  // [lo, hi) for rows [r0, r1), columns [c0, c1), inner dimension KD, in whole steps of 8.
+  __device__ __forceinline__ void range(int r0, int r1, int c0, int c1, int KD, int& lo, int& hi) const {
+    lo = max(max(0, r0 + k_min_r), c0 + k_min_c);
+    hi = min(min(KD, r1 - 1 + k_max_r + 1), c1 - 1 + k_max_c + 1);
+    if (c0 > r1 - 1 + out_c_max_r) hi = lo;
+    lo &= ~7;
+    hi = min(KD, (hi + 7) & ~7);
+  }
+};
+inline constexpr KSpan kFull{};
+// The chunk kernels' k-loop unroll (mma_tc_acc's kU): 4 at K = 64; 2 at K = 128, where 4 raised bwd_chunk's
+// spills (24 -> 96 bytes) and its time (3.52 -> 4.27 ms at T = 4k), while 2 at K = 64 cost 0.03 .. 0.12 ms a
+// kernel (dev/cuda/NOTES.md v3.26).
+constexpr int kTcUnroll(int K) { return K == 64 ? 4 : 2; }
+
+// acc += A B over this thread's outputs (no synchronisation), k over the warp's part of `span`. kU: the k loop's
+// unroll (its trip count is the warp's span): the kernel's choice, by its register budget (kTcUnroll).
+template <int M, int N, int KD, bool kX3, int kU = 4, class FA, class FB>
+__device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a, FB b, KSpan span = kFull) {
   using TT = TcTile<M, N>;
   constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wm = warp % WM, wn = warp / WM;
-#pragma unroll 4
-  for (int k0 = 0; k0 < KD; k0 += 8) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int wm, wn;
+  TT::coords(threadIdx.x >> 5, wm, wn);
+  int klo, khi;
+  span.range(16 * wm, 16 * (wm + WM * (MPW - 1)) + 16, 8 * wn * NTW, 8 * (wn + 1) * NTW, KD, klo, khi);
+#pragma unroll(kU)
+  for (int k0 = klo; k0 < khi; k0 += 8) {
     uint32_t ah[MPW][4], al[MPW][4];
 #pragma unroll
     for (int mi = 0; mi < MPW; ++mi) {
@@ -575,35 +629,41 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
 // out2(r, c, v, w) with v, w the sums sum_k a1(r, k) b1(k, c') + sum_k a2(r, k) b2(k, c') at c' = c and c + 1 (c
 // even), for every pair of outputs: a product over a stacked inner dimension [A1 | A2] [B1 ; B2] as two passes
 // into one accumulator (no per-element select between the halves); pairs of columns, so that an epilogue can
-// store both with one instruction. Every warp finishes reading before any `out2` runs (one __syncthreads in
-// between), so `out2` may overwrite the operands. Callers sync before the next read.
-template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO2>
-__device__ __forceinline__ void block_mm_tc2_pairs(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO2 out2) {
+// store both with one instruction. span1, span2: where each pass's terms can be non-zero (KSpan). Every warp
+// finishes reading before any `out2` runs (one __syncthreads in between), so `out2` may overwrite the
+// operands. Callers sync before the next read.
+template <int M, int N, int KD1, int KD2, bool kX3, int kU = 4, class FA1, class FB1, class FA2, class FB2, class FO2>
+__device__ __forceinline__ void block_mm_tc2_pairs(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO2 out2, KSpan span1 = kFull,
+                                                   KSpan span2 = kFull) {
   using TT = TcTile<M, N>;
   typename TT::Acc acc;
   TT::zero(acc);
-  mma_tc_acc<M, N, KD1, kX3>(acc, a1, b1);
-  if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3>(acc, a2, b2);
+  mma_tc_acc<M, N, KD1, kX3, kU>(acc, a1, b1, span1);
+  if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3, kU>(acc, a2, b2, span2);
   __syncthreads();
   TT::each_pair(acc, [&](int r, int c, float& v, float& w) { out2(r, c, v, w); });
 }
 // out(r, c, sum_k a1(r, k) b1(k, c) + sum_k a2(r, k) b2(k, c)) for every output (block_mm_tc2_pairs, one
 // element at a time).
-template <int M, int N, int KD1, int KD2, bool kX3, class FA1, class FB1, class FA2, class FB2, class FO>
-__device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out) {
-  block_mm_tc2_pairs<M, N, KD1, KD2, kX3>(a1, b1, a2, b2, [&](int r, int c, float v, float w) {
-    out(r, c, v);
-    out(r, c + 1, w);
-  });
+template <int M, int N, int KD1, int KD2, bool kX3, int kU = 4, class FA1, class FB1, class FA2, class FB2, class FO>
+__device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out, KSpan span1 = kFull,
+                                             KSpan span2 = kFull) {
+  block_mm_tc2_pairs<M, N, KD1, KD2, kX3, kU>(
+      a1, b1, a2, b2,
+      [&](int r, int c, float v, float w) {
+        out(r, c, v);
+        out(r, c + 1, w);
+      },
+      span1, span2);
 }
 // out(r, c, sum_k a(r, k) b(k, c)): the same with one inner dimension.
-template <int M, int N, int KD, bool kX3, class FA, class FB, class FO>
-__device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out) {
-  block_mm_tc2<M, N, KD, 0, kX3>(a, b, a, b, out);
+template <int M, int N, int KD, bool kX3, int kU = 4, class FA, class FB, class FO>
+__device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out, KSpan span = kFull) {
+  block_mm_tc2<M, N, KD, 0, kX3, kU>(a, b, a, b, out, span);
 }
-template <int M, int N, int KD, bool kX3, class FA, class FB, class FO2>
-__device__ __forceinline__ void block_mm_tc_pairs(FA a, FB b, FO2 out2) {
-  block_mm_tc2_pairs<M, N, KD, 0, kX3>(a, b, a, b, out2);
+template <int M, int N, int KD, bool kX3, int kU = 4, class FA, class FB, class FO2>
+__device__ __forceinline__ void block_mm_tc_pairs(FA a, FB b, FO2 out2, KSpan span = kFull) {
+  block_mm_tc2_pairs<M, N, KD, 0, kX3, kU>(a, b, a, b, out2, span);
 }
 
 // Four consecutive elements at p as floats: one 8-byte (16-bit types) or 16-byte (fp32) load when vec (p

@@ -51,6 +51,7 @@ constexpr int prep_min_blocks(int) { return 2; }
 template <typename T, int K>
 __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
   using S = PrepSmem<K>;
+  constexpr int kU = kTcUnroll(K);
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   extern __shared__ float sm[];
   float* Wf = sm;                                        // region 0 until k~
@@ -81,7 +82,8 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };   // W as the left operand
   auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };   // W^T as the right operand
   // A -> R1 (strict lower), split tf32.
-  block_mm_tc<kChunk, kChunk, K, true>(w_rk, w_kc, [&](int r, int c, float v) { R1[r * LC + c] = c < r ? bs[r] * v : 0.f; });
+  block_mm_tc<kChunk, kChunk, K, true, kU>(
+      w_rk, w_kc, [&](int r, int c, float v) { R1[r * LC + c] = c < r ? bs[r] * v : 0.f; }, kFull.out_lower(-1));
   __syncthreads();
   PA_PROBE(2);
   // E = (I + A)^-1 -> R2 (fp32).
@@ -96,27 +98,31 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   }
   PA_PROBE(3);
   // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
-  block_mm_tc_pairs<kChunk, K, kChunk, true>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
+  block_mm_tc_pairs<kChunk, K, kChunk, true, kU>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
       [&](int s, int d) { return Wf[s * LW + d]; },
-      [&](int r, int d, float v, float u) { *reinterpret_cast<uint32_t*>(W2h + r * LT + d) = Pack2<__half>::pack(v, u); });
-  block_mm_tc<kChunk, kChunk, K, false>(w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
-                                     [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; });
+      [&](int r, int d, float v, float u) { *reinterpret_cast<uint32_t*>(W2h + r * LT + d) = Pack2<__half>::pack(v, u); },
+      kFull.kmax_r(0));
+  block_mm_tc<kChunk, kChunk, K, false, kU>(
+      w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
+      [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; }, kFull.out_lower(-1));
   __syncthreads();
   PA_PROBE(4);
   // U = E diag(b) Z, in place in R1 (strict lower).
-  block_mm_tc<kChunk, kChunk, kChunk, false>([&](int r, int t) { return t <= r ? R2[r * LC + t] * bs[t] : 0.f; },
-      [&](int t, int c) { return R1[t * LC + c]; }, [&](int r, int c, float v) { R1[r * LC + c] = v; });
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int t) { return t <= r ? R2[r * LC + t] * bs[t] : 0.f; },
+      [&](int t, int c) { return R1[t * LC + c]; }, [&](int r, int c, float v) { R1[r * LC + c] = v; },
+      kFull.kmax_r(0).kmin_c(1));
   __syncthreads();
   PA_PROBE(5);
   // k~ = K - U^T W, and the fp16 copies of W and W2.
   T* ktp = static_cast<T*>(p.kt);
-  block_mm_tc_pairs<kChunk, K, kChunk, false>(
+  block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(
       [&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LW + d]; },
       [&](int r, int d, float v, float u) {
         if (r < nq)
           *reinterpret_cast<uint32_t*>(ktp + ((tok0 + r) * p.H + h) * K + d) =
               Pack2<T>::pack(to_f(Ks[r * LT + d]) - v, to_f(Ks[r * LT + d + 1]) - u);
-      });
+      },
+      kFull.kmin_r(1));
   for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
     const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
@@ -150,28 +156,31 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
     __syncthreads();
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
-    block_mm_tc<kChunk, kChunk, K, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+    block_mm_tc<kChunk, kChunk, K, false, kU>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
                                        [&](int k, int c) { return __half2float(Wh[c * LT + k]); },
-                                       [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; });
+                                       [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; },
+                                       kFull.out_lower(0));
     __syncthreads();
     PA_PROBE(8);
     // q~ = Q - X W2.
-    block_mm_tc_pairs<kChunk, K, kChunk, false>([&](int r, int s) { return R2[r * LC + s]; },
+    block_mm_tc_pairs<kChunk, K, kChunk, false, kU>([&](int r, int s) { return R2[r * LC + s]; },
         [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
         [&](int r, int d, float v, float u) {
           if (r < nq)
             *reinterpret_cast<float2*>(p.qtl + ((tok0 + r) * p.HQ + hq) * K + d) =
                 make_float2(to_f(Qs[r * LT + d]) - v, to_f(Qs[r * LT + d + 1]) - u);
-        });
+        },
+        kFull.kmax_r(0));
     // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
-    block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+    block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false, kU>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
         [&](int k, int c) { return to_f(Ks[c * LT + k]); }, [&](int r, int k) { return R2[r * LC + k]; },
         [&](int k, int c) { return -R1[k * LC + c]; },
         [&](int r, int c, float v, float u) {
           if (r < nq)
             *reinterpret_cast<float2*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
                 make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
-        });
+        },
+        kFull.out_lower(0), kFull.out_lower(0).kmax_r(0).kmin_c(1));
   }
   PA_PROBE(9);
 }
