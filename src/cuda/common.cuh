@@ -450,10 +450,11 @@ __device__ __forceinline__ void block_mm(int M, int N, FA a, FB b, FK krange, FO
 // Block-level tf32 tensor-core products for the chunk kernels (blockDim.x == 32 kTcWarps), M x N outputs
 // (M, N multiples of 16), inner dimension KD (multiple of 8). Operands come from accessor functions a(r, k)
 // and b(k, c) (shared or global memory, masks folded in, so triangular products pass zeros through the
-// accessors). kX3 splits every operand into a tf32 head and a tf32 tail and sums three products
-// (head*head + head*tail + tail*head): about fp32 accuracy at three times the work, for the products that
-// feed the triangular inverse. Warp tiling (TcTile): M / 16 m-tiles over min(M / 16, kTcWarps) warps; the
-// remaining warp factor splits N. 16 warps: these kernels are latency-bound at one CTA per SM. A thread owns the same outputs in every product of the same M x N, so
+// accessors, and say where those zeros lie by a KSpan, so that the warps skip them). kX3 splits every operand
+// into a tf32 head and a tf32 tail and sums three products (head*head + head*tail + tail*head): about fp32
+// accuracy at three times the work, for the products that feed the triangular inverse. Warp tiling (TcTile):
+// M / 16 m-tiles over min(M / 16, kTcWarps) warps; the remaining warp factor splits N. 16 warps: these kernels
+// are latency-bound at one CTA per SM. A thread owns the same outputs in every product of the same M x N, so
 // several products can accumulate into one register fragment (mma_tc_acc).
 inline constexpr int kTcWarps = 16;
 inline constexpr int kTcThreads = 32 * kTcWarps;
