@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/kernel_params.h"
+#include "cuda/kspan.h"
 
 namespace pathattn::cuda {
 
@@ -545,35 +546,6 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
 #endif
 }
 
-// Where a product's terms can be non-zero: bounds on the inner index k relative to the output row r and column
-// c, and on the output itself, from the operands' and the output mask's triangles. mma_tc_acc narrows each
-// warp's k loop to the indices its rows [r0, r1) and columns [c0, c1) can use (an empty range where the mask
-// clears the warp's whole output tile). The terms skipped are exact zeros (the accessors return 0 there), so
-// the sums are bitwise those of the full loop. The chunk kernels' products are triangular almost everywhere
-// (A, Z, U, X, A_loc, their adjoints): chunk_prep's full loops issued 1.7x the tensor work its products need.
-struct KSpan {
-  static constexpr int kNone = 1 << 20;
-  int k_min_r = -kNone, k_max_r = kNone, k_min_c = -kNone, k_max_c = kNone, out_c_max_r = kNone;
-  // k >= r + d (an A operand that is zero left of the diagonal shifted by d, e.g. L^T with L lower: d = 0)
-  __host__ __device__ constexpr KSpan kmin_r(int d) const { KSpan s = *this; s.k_min_r = d; return s; }
-  // k <= r + d (an A operand lower triangular: d = 0 inclusive, -1 strict)
-  __host__ __device__ constexpr KSpan kmax_r(int d) const { KSpan s = *this; s.k_max_r = d; return s; }
-  // k >= c + d (a B operand lower triangular in (k, c))
-  __host__ __device__ constexpr KSpan kmin_c(int d) const { KSpan s = *this; s.k_min_c = d; return s; }
-  // k <= c + d (a B operand upper triangular in (k, c))
-  __host__ __device__ constexpr KSpan kmax_c(int d) const { KSpan s = *this; s.k_max_c = d; return s; }
-  // the output kept only where c <= r + d (lower: d = 0 inclusive, -1 strict)
-  __host__ __device__ constexpr KSpan out_lower(int d) const { KSpan s = *this; s.out_c_max_r = d; return s; }
-  // [lo, hi) for rows [r0, r1), columns [c0, c1), inner dimension KD, in whole steps of 8.
-  __device__ __forceinline__ void range(int r0, int r1, int c0, int c1, int KD, int& lo, int& hi) const {
-    lo = max(max(0, r0 + k_min_r), c0 + k_min_c);
-    hi = min(min(KD, r1 - 1 + k_max_r + 1), c1 - 1 + k_max_c + 1);
-    if (c0 > r1 - 1 + out_c_max_r) hi = lo;
-    lo &= ~7;
-    hi = min(KD, (hi + 7) & ~7);
-  }
-};
-inline constexpr KSpan kFull{};
 // The chunk kernels' k-loop unroll (mma_tc_acc's kU): 4 at K = 64; 2 at K = 128, where 4 raised bwd_chunk's
 // spills (24 -> 96 bytes) and its time (3.52 -> 4.27 ms at T = 4k), while 2 at K = 64 cost 0.03 .. 0.12 ms a
 // kernel (dev/cuda/NOTES.md v3.26).

@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "cuda/kspan.h"
 #include "harness.h"
 
 namespace pathattn::test {
@@ -235,6 +237,66 @@ CaseSpec mk(int64_t T, int64_t HQ, int64_t H, int64_t K, int64_t V, bool gate, B
   s.dtype = dt;
   s.seed = seed;
   return s;
+}
+
+// The chunk kernels skip the k steps a warp's tile cannot use (KSpan). Host-only, so it runs without a GPU too:
+// for every combination of triangle bounds (none, -1, 0, 1 on each of the five) and every warp tile of the
+// kernels' product shapes (64 rows; 64 columns in n-groups of 16 or 128 in groups of 32; inner 64 or 128),
+// each output (r, c) the mask keeps gives the interval of k its bounds allow; the range must hold all of
+// them, in whole steps of 8 within [0, KD), and where the bounds are consistent and no mask applies, be the
+// smallest such range.
+TEST(KSpan, RangeHoldsEveryUsableTermAndNoMore) {
+  using pathattn::cuda::KSpan;
+  const int kNo = KSpan::kNone, vals[4] = {kNo, -1, 0, 1};
+  const int shapes[3][3] = {{64, 16, 64}, {64, 16, 128}, {128, 32, 64}};  // N, n-group width, KD
+  int checked = 0;
+  for (int i = 0; i < 4 * 4 * 4 * 4 * 4; ++i) {
+    const int kmin_r = vals[i % 4], kmax_r = vals[i / 4 % 4], kmin_c = vals[i / 16 % 4], kmax_c = vals[i / 64 % 4],
+              out = vals[i / 256];
+    KSpan sp;
+    if (kmin_r != kNo) sp = sp.kmin_r(kmin_r);
+    if (kmax_r != kNo) sp = sp.kmax_r(kmax_r);
+    if (kmin_c != kNo) sp = sp.kmin_c(kmin_c);
+    if (kmax_c != kNo) sp = sp.kmax_c(kmax_c);
+    if (out != kNo) sp = sp.out_lower(out);
+    const bool consistent = (kmin_r == kNo || kmax_r == kNo || kmin_r <= kmax_r) &&
+                            (kmin_c == kNo || kmax_c == kNo || kmin_c <= kmax_c);
+    for (const auto& sh : shapes) {
+      const int N = sh[0], w = sh[1], KD = sh[2];
+      for (int r0 = 0; r0 < 64; r0 += 16)
+        for (int c0 = 0; c0 < N; c0 += w) {
+          const int r1 = r0 + 16, c1 = c0 + w;
+          int lo = -1, hi = -1;
+          sp.range(r0, r1, c0, c1, KD, lo, hi);
+          const std::string where = "span " + std::to_string(i) + ", rows " + std::to_string(r0) + ", columns " +
+                                    std::to_string(c0) + "+" + std::to_string(w) + ", KD " + std::to_string(KD) +
+                                    ": [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+          ASSERT_TRUE(lo >= 0 && lo <= hi && hi <= KD && lo % 8 == 0 && hi % 8 == 0) << where;
+          int need_lo = KD, need_hi = 0;  // the union of the outputs' usable k: [need_lo, need_hi)
+          for (int r = r0; r < r1; ++r)
+            for (int c = c0; c < c1; ++c) {
+              if (out != kNo && c > r + out) continue;
+              int a = 0, b = KD - 1;  // this output's usable k: [a, b]
+              if (kmin_r != kNo) a = std::max(a, r + kmin_r);
+              if (kmin_c != kNo) a = std::max(a, c + kmin_c);
+              if (kmax_r != kNo) b = std::min(b, r + kmax_r);
+              if (kmax_c != kNo) b = std::min(b, c + kmax_c);
+              if (a > b) continue;
+              ASSERT_TRUE(a >= lo && b < hi) << where << " misses k " << a << ".." << b << " of (" << r << ", " << c
+                                             << ")";
+              need_lo = std::min(need_lo, a);
+              need_hi = std::max(need_hi, b + 1);
+            }
+          if (out == kNo && consistent) {
+            const bool none = need_hi <= need_lo;
+            EXPECT_EQ(lo, none ? 0 : need_lo / 8 * 8) << where;
+            EXPECT_EQ(hi, none ? 0 : (need_hi + 7) / 8 * 8) << where;
+          }
+          ++checked;
+        }
+    }
+  }
+  EXPECT_EQ(checked, 1024 * 48);
 }
 
 TEST(CudaBackend, ForwardBackwardSmallSizes) {
