@@ -569,9 +569,11 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   // 4k 25.8 -> 25.7, 8k 37.5 -> 35.8, 16k 74.5 -> 57.0 (T = 1k: 18.7 -> 19.5, 16.4 -> 16.8).
   int max_lanes = kMaxLanes;
   if constexpr (std::is_same_v<P, PathBwdParams>) {
-    int64_t longest = 0;
-    for (const core::Seq& q : pr.seqs) longest = std::max(longest, q.len);
-    if (p.deterministic && longest > 4 * kSuperChunks * kChunk) max_lanes = 1;
+    if (p.deterministic) {
+      int64_t longest = 0;
+      for (const core::Seq& q : pr.seqs) longest = std::max(longest, q.len);
+      if (longest > 4 * kSuperChunks * kChunk) max_lanes = 1;
+    }
   }
   const bool batch_ok = !p.cu_seqlens.present();
   core::LanePlan plan = core::plan_lanes(pr, batch_ok, limit, max_lanes, cost);

@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // Z = strict_lower(W K^T) -> Zs (before the heads' loop, and after it where dQs lay over Zs).
   auto compute_z = [&]() {
     block_mm_tc<kChunk, kChunk, K, false, kU>(w_rk, [&](int k, int c) { return k_rk(c, k); },
-                                          [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; },
-                                          kFull.out_lower(-1));
+                                              [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; },
+                                              kFull.out_lower(-1));
   };
   // E from chunk_prep (all 64 rows, as it wrote them; a plain copy: stage_tile4, which issues all of a thread's
   // loads first, raised the K = 128 Hopper variant's spills 28 -> 48 bytes here); W2 from w2h (rows past the
@@ -107,9 +107,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(4);
   block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
-                                             [&](int t, int c) { return Zs[t * LC + c]; },
-                                             [&](int r, int c, float v) { Us[r * LC + c] = v; },
-                                             kFull.kmax_r(0).kmin_c(1));
+                                                 [&](int t, int c) { return Zs[t * LC + c]; },
+                                                 [&](int r, int c, float v) { Us[r * LC + c] = v; },
+                                                 kFull.kmax_r(0).kmin_c(1));
   // dk~ of the chunk (rows past the end: unwritten there, zero here) staged over Xs / dXs.
   stage_tile4<K>(ws_src<K>(p.dkt, p.H), 0, h, Big, LW, tok0, nq);
   __syncthreads();
@@ -119,10 +119,10 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   auto dKt = [&](int j, int a) { return Big[j * LW + a]; };
   // dW -= U dk~;  dU = -W dk~^T (strict lower);  dK += dk~.
   mma_tc_acc<kChunk, K, kChunk, false, kU>(dWa, [&](int r, int k) { return Us[r * LC + k]; },
-                                       [&](int k, int a) { return -dKt(k, a); }, kFull.kmax_r(-1));
+                                           [&](int k, int a) { return -dKt(k, a); }, kFull.kmax_r(-1));
   block_mm_tc<kChunk, kChunk, K, false, kU>(w_rk, [&](int k, int j) { return dKt(j, k); },
-                                        [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; },
-                                        kFull.out_lower(-1));
+                                            [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; },
+                                            kFull.out_lower(-1));
   TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
   // dW2 -= W D;  dW -= W2 D^T.  D (K x K fp32) is staged where the device allows it: rows 0..63 over Xs / dXs
   // (dk~ is read no more), rows 64..127 (K = 128) over Qs / dAs (free until the query heads' loop).
@@ -145,14 +145,14 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, w_rk, [&](int a, int d) { return -D0[a * LW + d]; });
     if constexpr (K > kChunk)
       mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, [&](int r, int a) { return Wf[r * LW + kChunk + a]; },
-                                           [&](int a, int d) { return -D1[a * LW + d]; });
+                                               [&](int a, int d) { return -D1[a * LW + d]; });
     mma_tc_acc<kChunk, K, K, false, kU>(dWa, [&](int r, int k) { return W2f[r * LW + k]; }, [&](int k, int a) {
       return -(K == kChunk || a < kChunk ? D0[a * LW + k] : D1[(a - kChunk) * LW + k]);
     });
   } else {
     mma_tc_acc<kChunk, K, K, false, kU>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
     mma_tc_acc<kChunk, K, K, false, kU>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
-                                    [&](int k, int a) { return -Dm[a * K + k]; });
+                                        [&](int k, int a) { return -Dm[a * K + k]; });
   }
 
   // ---- per query head: dq, and the X / A_loc terms.
@@ -208,10 +208,10 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, [&](int s, int r) { return -Xs[r * LC + s]; }, dQt, kFull.kmin_r(0));
     // dU -= X^T dA_loc (strict lower).
     block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int t, int r) { return Xs[r * LC + t]; }, dAl,
-                                               [&](int t, int c, float v) {
+                                                   [&](int t, int c, float v) {
                                                  if (c < t) dUs[t * LC + c] -= v;
-                                               },
-                                               kFull.kmin_r(0).kmin_c(0).out_lower(-1));
+                                                   },
+                                                   kFull.kmin_r(0).kmin_c(0).out_lower(-1));
   }
   __syncthreads();
   PA_PROBE(9);
@@ -233,9 +233,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       kFull.out_lower(0).kmax_r(-1).kmax_c(-1), kFull.out_lower(0));
   // dZb = E^T dU, in place (strict lower).
   block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int t, int r) { return Es[r * LC + t]; },
-                                             [&](int r, int c) { return dUs[r * LC + c]; },
-                                             [&](int t, int c, float v) { dUs[t * LC + c] = t > c ? v : 0.f; },
-                                             kFull.kmin_r(0).kmin_c(1).out_lower(-1));
+                                                 [&](int r, int c) { return dUs[r * LC + c]; },
+                                                 [&](int t, int c, float v) { dUs[t * LC + c] = t > c ? v : 0.f; },
+                                                 kFull.kmin_r(0).kmin_c(1).out_lower(-1));
   __syncthreads();
   PA_PROBE(11);
   if (tid < kChunk) {
@@ -246,17 +246,17 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
   // dW += diag(b) dZb K;  dK += dZb^T diag(b) W.
   mma_tc_acc<kChunk, K, kChunk, false, kU>(dWa, [&](int r, int c) { return bs[r] * dUs[r * LC + c]; }, k_rk,
-                                       kFull.kmax_r(-1));
+                                           kFull.kmax_r(-1));
   mma_tc_acc<kChunk, K, kChunk, false, kU>(dKa, [&](int c, int r) { return bs[r] * dUs[r * LC + c]; },
-                                       [&](int r, int d) { return Wf[r * LW + d]; }, kFull.kmin_r(1));
+                                           [&](int r, int d) { return Wf[r * LW + d]; }, kFull.kmin_r(1));
   // dWb = E^T dW2 -> Big;  M1 = dE E^T -> Zs (Z is not read any more once dbs above is done).
   block_mm_tc<kChunk, K, kChunk, false, kU>([&](int s, int r) { return Es[r * LC + s]; },
-                                        [&](int r, int d) { return dW2s[r * LW + d]; },
-                                        [&](int s, int d, float v) { Big[s * LW + d] = v; }, kFull.kmin_r(0));
+                                            [&](int r, int d) { return dW2s[r * LW + d]; },
+                                            [&](int s, int d, float v) { Big[s * LW + d] = v; }, kFull.kmin_r(0));
   block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int s) { return Us[r * LC + s]; },
-                                             [&](int s, int c) { return Es[c * LC + s]; },
-                                             [&](int r, int c, float v) { Zs[r * LC + c] = v; },
-                                             kFull.kmax_r(0).kmax_c(0));
+                                                 [&](int s, int c) { return Es[c * LC + s]; },
+                                                 [&](int r, int c, float v) { Zs[r * LC + c] = v; },
+                                                 kFull.kmax_r(0).kmax_c(0));
   __syncthreads();
   PA_PROBE(12);
   TK::each(dWa, [&](int s, int d, float& v) { v += bs[s] * Big[s * LW + d]; });
@@ -267,9 +267,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
   // dA = -E^T M1 (strict lower) -> dUs.
   block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int a, int r) { return Es[r * LC + a]; },
-                                             [&](int r, int c) { return Zs[r * LC + c]; },
-                                             [&](int a, int c, float v) { dUs[a * LC + c] = c < a ? -v : 0.f; },
-                                             kFull.kmin_r(0).out_lower(-1));
+                                                 [&](int r, int c) { return Zs[r * LC + c]; },
+                                                 [&](int a, int c, float v) { dUs[a * LC + c] = c < a ? -v : 0.f; },
+                                                 kFull.kmin_r(0).out_lower(-1));
   __syncthreads();
   PA_PROBE(13);
   // dbeta_a += sum_c dA[a][c] (w_a . w_c): the Gram products into Zs, then fixed-order row sums.

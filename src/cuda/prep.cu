@@ -157,9 +157,9 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
     block_mm_tc<kChunk, kChunk, K, false, kU>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
-                                       [&](int k, int c) { return __half2float(Wh[c * LT + k]); },
-                                       [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; },
-                                       kFull.out_lower(0));
+                                              [&](int k, int c) { return __half2float(Wh[c * LT + k]); },
+                                              [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; },
+                                              kFull.out_lower(0));
     __syncthreads();
     PA_PROBE(8);
     // q~ = Q - X W2.
