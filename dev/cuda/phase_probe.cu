@@ -4,12 +4,13 @@
 // (B * T = 32768, T = 1024, MHA, bf16; random inputs and gradients) and prints, per phase, the mean cycles
 // over the first kProbeCtas CTAs and the share of a CTA's time, beside the kernel's median time.
 // Build and run from the repository root:
-//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc -DPATHATTN_PHASE_PROBE dev/cuda/phase_probe.cu src/cuda/prep.cu \
-//        src/cuda/bwd_chunk.cu -o phase_probe && ./phase_probe
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -Isrc -DPATHATTN_PHASE_PROBE \
+//        dev/cuda/phase_probe.cu src/cuda/prep.cu src/cuda/bwd_chunk.cu -o phase_probe && ./phase_probe
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdio>
+#include <utility>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -63,8 +64,9 @@ E* alloc_fill(size_t n, uint32_t seed, float scale, float offset = 0.f) {
   return p;
 }
 
-void report(const char* kernel, const std::vector<const char*>& phases, int nctas, cudaError_t (*table)(long long*),
-            float ms, size_t smem, int clock_khz) {
+// phases: (slot, what ran since the previous slot listed) in slot order, the first the kernel's start.
+void report(const char* kernel, const std::vector<std::pair<int, const char*>>& phases, int nctas,
+            cudaError_t (*table)(long long*), float ms, size_t smem, int clock_khz) {
   std::vector<long long> t(size_t(kProbeCtas) * kProbeSlots);
   CK(table(t.data()));
   const int n = nctas < kProbeCtas ? nctas : kProbeCtas, np = int(phases.size());
@@ -72,13 +74,14 @@ void report(const char* kernel, const std::vector<const char*>& phases, int ncta
   double total = 0.0;
   for (int c = 0; c < n; ++c) {
     const long long* row = t.data() + size_t(c) * kProbeSlots;
-    for (int i = 0; i < np; ++i) mean[i] += double(row[i + 1] - row[i]) / n;
-    total += double(row[np] - row[0]) / n;
+    for (int i = 1; i < np; ++i) mean[i] += double(row[phases[i].first] - row[phases[i - 1].first]) / n;
+    total += double(row[phases[np - 1].first] - row[phases[0].first]) / n;
   }
   std::printf("%s: %.3f ms, %d CTAs, %zu KB shared memory; a CTA (mean of the first %d): %.0f cycles = %.1f us\n",
               kernel, ms, nctas, smem / 1024, n, total, total / clock_khz * 1e3);
-  for (int i = 0; i < np; ++i)
-    std::printf("  %-44s %9.0f cycles %5.1f%%\n", phases[i], mean[i], 100.0 * mean[i] / total);
+  for (int i = 1; i < np; ++i)
+    std::printf("  %2d %-44s %9.0f cycles %5.1f%%\n", phases[i].first, phases[i].second, mean[i],
+                100.0 * mean[i] / total);
 }
 
 template <int K>
@@ -127,22 +130,26 @@ void run(int T, int H) {
   auto prep = [&] { CK(launch_chunk_prep(kp, 1, 0)); };
   const float t_prep = dev::median_ms(prep, 9);  // the last run leaves its stamps
   CK(cudaDeviceSynchronize());
-  report("chunk_prep", {"load K, W, beta", "A = diag(b) W W^T (split tf32)", "E = (I + A)^-1",
-                        "W2 = E diag(b) W (split), Z = W K^T", "U = E diag(b) Z", "k~, w16 / w2h stores",
-                        "load Q", "X = Q W^T", "q~, A_loc (thread 0's end)"},
+  report("chunk_prep", {{0, "start"}, {1, "load K, W, beta"}, {2, "A = diag(b) W W^T (split tf32)"},
+                        {3, "E = (I + A)^-1 (and E's store)"}, {4, "W2 = E diag(b) W (split), Z = W K^T"},
+                        {5, "U = E diag(b) Z"}, {6, "k~, w16 / w2h stores"}, {7, "load Q"}, {8, "X = Q W^T"},
+                        {9, "q~, A_loc (thread 0's end)"}},
          nctas, probe_table_prep, t_prep, smem_chunk_prep(K), clock_khz);
+  // bwd_chunk reads E from the backward's chunk_prep (the variant that stores it).
+  CK(cudaMalloc(&kp.E, size_t(kp.nchunks) * H * C * C * 4));
+  prep();
   // aloc now holds chunk_prep's logits; bwd_chunk reads it as scale dS: replace by small values.
   fill<float><<<1024, 256>>>(kp.aloc, NT * HQ * C, 11, 1e-2f, 0.f);
   auto bwd = [&] { CK(launch_bwd_chunk(kp, 1, 0)); };
   const float t_bwd = dev::median_ms(bwd, 9);
   CK(cudaDeviceSynchronize());
-  report("bwd_chunk", {"load K, W, beta", "A (split tf32)", "E = (I + A)^-1", "W2 (split), Z", "U, stage dk~",
-                       "dW2 -= W dP; dW -= W2 dP^T + U dk~; dU", "load Q", "X; dX (dq~, dA_loc from global)",
-                       "dq; dK, dW, dW2 sums; dU", "E back, Z (K = 128), stage dW2", "dE, dZb",
-                       "dbeta, dW, dK, dWb, M1", "dA",
-                       "Gram, dW, dbeta", "outputs (thread 0's end)"},
+  report("bwd_chunk", {{0, "start"}, {1, "load K, W (beta)"}, {4, "Z; E, W2 loaded"}, {5, "U; dk~ (D) loaded"},
+                       {6, "dW2 -= W dP; dW -= W2 dP^T + U dk~; dU"}, {7, "load Q, X, load dq~ / dA_loc"},
+                       {8, "dX"}, {9, "dq; dK, dW, dW2 sums; dU"}, {10, "E back, Z (K = 128), stage dW2"},
+                       {11, "dE, dZb"}, {12, "dbeta, dW, dK, dWb, M1"}, {13, "dA"}, {14, "Gram, dW, dbeta"},
+                       {15, "outputs (thread 0's end)"}},
          nctas, probe_table_bwd_chunk, t_bwd, smem_bwd_chunk(K), clock_khz);
-  void* bufs[] = {q, k, v, w, beta, dch, kp.w16, kp.w2h, kp.kt, kp.qtl, kp.aloc, kp.dP, kp.dkt, kp.dqt,
+  void* bufs[] = {q, k, v, w, beta, dch, kp.E, kp.w16, kp.w2h, kp.kt, kp.qtl, kp.aloc, kp.dP, kp.dkt, kp.dqt,
                   kp.dvdiag, kp.dvk, kp.dq, kp.dk, kp.dv, kp.dw, kp.dbeta};
   for (void* b : bufs) CK(cudaFree(b));
 }

@@ -26,7 +26,8 @@ template <int K, bool kStageDA, bool kStageDQ = false>
 struct BwdChunkSmem {
   static_assert(kStageDA || !kStageDQ, "dq~ is staged only with dA_loc");
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
-  // Wf, W2f [64][LW] f32; Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
+  // Wf, W2f [64][LW] f32 (W2f: W2 in fp16, [64][LT], until the query heads' loop ends, then dW2 in fp32);
+  // Zs, Es, Us, dUs, Xs, dXs [64][LC] f32 (Xs, dXs adjacent: they also hold a
   // [64][LW] f32 matrix); bs, dbs; Ks, Qs [64][LT] 16-bit; with kStageDA, dAs [64][LC] f32; with kStageDQ
   // and K = 64, dQs [64][LW] f32 (at K = 128 over Zs, Es).
   static constexpr size_t bytes =
@@ -44,7 +45,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   constexpr int kU = kTcUnroll(K);
   extern __shared__ float sm[];
   float* Wf = sm;
-  float* W2f = Wf + kChunk * LW;
+  float* W2f = Wf + kChunk * LW;                        // W2 as fp16 [64][LT] (w2h) until the heads' loop ends
+  __half* W2h = reinterpret_cast<__half*>(W2f);
   float* Zs = W2f + kChunk * LW;
   float* Es = Zs + kChunk * LC;
   float* Us = Es + kChunk * LC;
@@ -73,45 +75,89 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   TK::zero(dKa);
   TK::zero(dW2a);
 
-  // ---- recompute the UT transform.
+  // ---- recompute the UT transform. Every tile below is a plain copy, staged by cp.async in groups committed
+  // in the order they are needed, each as early as its space is free, so that their loads overlap the products
+  // before their first use (one CTA an SM: nothing else hides them): G0 k, w (then beta, synchronously); G1 E and
+  // W2 (fp16, converted where read); G2 dk~ (over Xs / dXs); G3 D = dP (K = 64: over dAs; K = 128: rows 64..127
+  // over Qs / dAs); at K = 64 G4 the first query head's Q and dq~. Sources that cp.async cannot take (rows not
+  // 16-byte aligned) are staged at once instead.
   PA_PROBE(0);
-  stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW);
+  {
+    const T* kp = static_cast<const T*>(p.k);
+    const TileSrc<T> ksrc{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
+    const TileSrc<float> wsrc{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
+                              vec4_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2])};
+    stage_tile_async<K>(ksrc, ch.b, h, Ks, LT, pos0, nq, vec16_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2]));
+    stage_tile_async<K>(wsrc, ch.b, h, Wf, LW, pos0, nq, vec16_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2]));
+  }
+  cp_async_commit();
+  const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
+  const TileSrc<float> e_src{Eg, 0, kChunk, 0, true};
+  stage_tile_async<kChunk>(e_src, 0, 0, Es, LC, 0, kChunk, true);
+  stage_tile_async<K>(ws_src<K>(p.w2h, p.H), 0, h, W2h, LT, tok0, nq, true);
+  cp_async_commit();
+  stage_tile_async<K>(ws_src<K>(p.dkt, p.H), 0, h, Big, LW, tok0, nq, true);
+  cp_async_commit();
+  const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
+  constexpr bool kStageD = K == kChunk || kStageDA;
+  // D rows 0..63: K = 64 over dAs (free until the query heads' loop; LC = LW there), else over Xs / dXs once dk~
+  // is read; rows 64..127 (K = 128) over Qs / dAs.
+  float* D0 = K == kChunk && kStageDA ? dAs : Big;
+  float* D1 = reinterpret_cast<float*>(Qs);
+  if constexpr (kStageD) {
+    static_assert(K > kChunk || LC == LW, "D over dAs at K = 64");
+    static_assert(K == kChunk || kChunk * LT * sizeof(T) + kChunk * LC * sizeof(float) >= kChunk * LW * sizeof(float),
+                  "D rows 64..127 over Qs / dAs");
+    if constexpr (K == kChunk && kStageDA)
+      stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
+    if constexpr (K > kChunk)
+      stage_tile_async<K>(TileSrc<float>{Dm + kChunk * K, 0, K, 0, true}, 0, 0, D1, LW, 0, kChunk, true);
+  }
+  cp_async_commit();
+  // The first query head's Q and dq~ (K = 64, where their tiles are free from the start).
+  constexpr bool kPreQ = K == kChunk && kStageDA;
+  const bool q16 = vec16_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
+  const TileSrc<T> q_src{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec};
+  const TileSrc<float> dq_src{p.dqt, 0, int64_t(p.HQ) * K, K, true};
+  if constexpr (kPreQ) {
+    stage_tile_async<K>(q_src, ch.b, h * p.group, Qs, LT, pos0, nq, q16);
+    if constexpr (kStageDQ) stage_tile_async<K>(dq_src, 0, h * p.group, dQs, LW, tok0, nq, true);
+  }
+  cp_async_commit();
   if (tid < kChunk) {
     bs[tid] = tid < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
     dbs[tid] = 0.f;
   }
+  cp_async_wait_group<4>();  // G0
   __syncthreads();
   PA_PROBE(1);
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };
   auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };
   auto k_rk = [&](int r, int d) { return to_f(Ks[r * LT + d]); };
+  auto w2 = [&](int r, int d) { return __half2float(W2h[r * LT + d]); };
   // Z = strict_lower(W K^T) -> Zs (before the heads' loop, and after it where dQs lay over Zs).
   auto compute_z = [&]() {
     block_mm_tc<kChunk, kChunk, K, false, kU>(w_rk, [&](int k, int c) { return k_rk(c, k); },
                                               [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; },
                                               kFull.out_lower(-1));
   };
-  // E from chunk_prep (all 64 rows, as it wrote them; a plain copy: stage_tile4, which issues all of a thread's
-  // loads first, raised the K = 128 Hopper variant's spills 28 -> 48 bytes here); W2 from w2h (rows past the
-  // end: zero, as E diag(b) W is there).
-  auto load_e = [&]() {
-    const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
-    for (int i = tid; i < kChunk * kChunk / 4; i += kThreads) {
-      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
-      *reinterpret_cast<float4*>(Es + r * LC + c) = *reinterpret_cast<const float4*>(Eg + r * kChunk + c);
-    }
-  };
-  load_e();
-  stage_tile4<K>(ws_src<K>(p.w2h, p.H), 0, h, W2f, LW, tok0, nq);
   compute_z();
+  cp_async_wait_group<3>();  // G1: E, W2
   __syncthreads();
   PA_PROBE(4);
   block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
                                                  [&](int t, int c) { return Zs[t * LC + c]; },
                                                  [&](int r, int c, float v) { Us[r * LC + c] = v; },
                                                  kFull.kmax_r(0).kmin_c(1));
-  // dk~ of the chunk (rows past the end: unwritten there, zero here) staged over Xs / dXs.
-  stage_tile4<K>(ws_src<K>(p.dkt, p.H), 0, h, Big, LW, tok0, nq);
+  // (K = 128 with dq~ staged: the first head's dq~ over Zs / Es, which are free from here until the loop's end.)
+  if constexpr (kDQOverZE) {
+    __syncthreads();
+    stage_tile_async<K>(dq_src, 0, h * p.group, dQs, LW, tok0, nq, true);
+    cp_async_commit();
+    cp_async_wait_group<2>();  // G2 (dk~), G3 (D rows 64..127)
+  } else {
+    cp_async_wait_group<1>();  // G2, G3
+  }
   __syncthreads();
   PA_PROBE(5);
 
@@ -124,50 +170,44 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                             [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; },
                                             kFull.out_lower(-1));
   TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
-  // dW2 -= W D;  dW -= W2 D^T.  D (K x K fp32) is staged where the device allows it: rows 0..63 over Xs / dXs
-  // (dk~ is read no more), rows 64..127 (K = 128) over Qs / dAs (free until the query heads' loop).
-  const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
-  constexpr bool kStageD = K == kChunk || kStageDA;
+  // dW2 -= W D;  dW -= W2 D^T.
   if constexpr (kStageD) {
     static_assert(2 * kChunk * LC >= kChunk * LW, "D rows 0..63 over Xs / dXs");
-    static_assert(K == kChunk || kChunk * LT * sizeof(T) + kChunk * LC * sizeof(float) >= kChunk * LW * sizeof(float),
-                  "D rows 64..127 over Qs / dAs");
-    float* D0 = Big;
-    float* D1 = reinterpret_cast<float*>(Qs);
-    __syncthreads();
-    if constexpr (K == kChunk) {
-      stage_tile4<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk);
-    } else {
-      stage_tiles4<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, TileSrc<float>{Dm + kChunk * K, 0, K, 0, true},
-                      0, 0, D1, LW, 0, kChunk);
+    if constexpr (!(K == kChunk && kStageDA)) {  // rows 0..63 over dk~, read above
+      __syncthreads();
+      stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
     }
-    __syncthreads();
     mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, w_rk, [&](int a, int d) { return -D0[a * LW + d]; });
     if constexpr (K > kChunk)
       mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, [&](int r, int a) { return Wf[r * LW + kChunk + a]; },
                                                [&](int a, int d) { return -D1[a * LW + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU>(dWa, [&](int r, int k) { return W2f[r * LW + k]; }, [&](int k, int a) {
+    mma_tc_acc<kChunk, K, K, false, kU>(dWa, w2, [&](int k, int a) {
       return -(K == kChunk || a < kChunk ? D0[a * LW + k] : D1[(a - kChunk) * LW + k]);
     });
   } else {
     mma_tc_acc<kChunk, K, K, false, kU>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU>(dWa, [&](int r, int k) { return W2f[r * LW + k]; },
-                                        [&](int k, int a) { return -Dm[a * K + k]; });
+    mma_tc_acc<kChunk, K, K, false, kU>(dWa, w2, [&](int k, int a) { return -Dm[a * K + k]; });
   }
 
   // ---- per query head: dq, and the X / A_loc terms.
   T* dqp = static_cast<T*>(p.dq);
   const bool dq_pair = vec2_ok(dqp, p.dq_s[0], p.dq_s[1], p.dq_s[2]);
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-    __syncthreads();  // D (over Xs / dXs and Qs) and the previous head's Qs / Xs / dXs are no longer read
+    const bool first = hq == h * p.group;
+    __syncthreads();  // D (over Xs / dXs, dAs or Qs) and the previous head's Qs / Xs / dXs are no longer read
     PA_PROBE(6);
-    // Q, (kStageDA) dA_loc and (kStageDQ) dq~; rows past the end: zero.
-    stage_tile4<K>(TileSrc<T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
+    // Q (one group: X needs it first), then dA_loc (kStageDA) and dq~ (kStageDQ); rows past the end: zero.
+    if (!(kPreQ && first)) stage_tile_async<K>(q_src, ch.b, hq, Qs, LT, pos0, nq, q16);
+    cp_async_commit();
     if constexpr (kStageDA)
-      stage_tile4<kChunk>(TileSrc<float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
-                          tok0, nq);
+      stage_tile_async<kChunk>(TileSrc<float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
+                               tok0, nq, true);
     if constexpr (kStageDQ)
-      stage_tile4<K>(TileSrc<float>{p.dqt, 0, int64_t(p.HQ) * K, K, true}, 0, hq, dQs, LW, tok0, nq);
+      if (!first) stage_tile_async<K>(dq_src, 0, hq, dQs, LW, tok0, nq, true);
+    cp_async_commit();
     const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
     const int64_t dal_ld = int64_t(p.HQ) * kChunk;
     const float* dq_t = p.dqt + (tok0 * p.HQ + hq) * K;
@@ -181,14 +221,17 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       else return r < nq ? dal[r * dal_ld + c] : 0.f;
     };
     auto q_rk = [&](int r, int d) { return to_f(Qs[r * LT + d]); };
+    cp_async_wait_group<1>();  // Q
     __syncthreads();
-    PA_PROBE(7);
     // X = tril_incl(Q W^T) -> Xs.
     block_mm_tc<kChunk, kChunk, K, false, kU>(
         q_rk, w_kc, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; }, kFull.out_lower(0));
+    cp_async_wait_all();  // dA_loc, dq~
+    __syncthreads();
+    PA_PROBE(7);
     // dX = -(dq~ W2^T + dA_loc U^T) on the lower triangle -> dXs.
     block_mm_tc2<kChunk, kChunk, K, kChunk, false, kU>(
-        dQt, [&](int k, int s) { return W2f[s * LW + k]; }, dAl, [&](int k, int s) { return Us[s * LC + k]; },
+        dQt, [&](int k, int s) { return w2(s, k); }, dAl, [&](int k, int s) { return Us[s * LC + k]; },
         [&](int r, int s, float v) { dXs[r * LC + s] = s <= r && r < nq ? -v : 0.f; }, kFull.out_lower(0),
         kFull.out_lower(0).kmax_r(0).kmax_c(-1));
     __syncthreads();
@@ -215,9 +258,11 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
   __syncthreads();
   PA_PROBE(9);
-  if constexpr (kDQOverZE) {  // E again, Z recomputed (synchronised before dE below)
-    load_e();
+  if constexpr (kDQOverZE) {  // E again (its copy overlapping Z's recompute), Z (synchronised before dE below)
+    stage_tile_async<kChunk>(e_src, 0, 0, Es, LC, 0, kChunk, true);
+    cp_async_commit();
     compute_z();
+    cp_async_wait_all();
   }
 
   // ---- through the UT transform.

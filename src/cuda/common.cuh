@@ -711,6 +711,34 @@ __device__ __forceinline__ void stage_tile4(const TileSrc<E1>& a, int64_t a0, in
   stage_tiles4<D>(a, a0, a2, da, lda, TileSrc<float>{nullptr, 0, 0, 0, false}, 0, 0, static_cast<float*>(nullptr), 0,
                   row0, nvalid);
 }
+// Whether rows base + i s0 + j s1 + k s2 start 16-byte aligned (cp.async's 16-byte copies).
+template <typename E>
+__host__ __device__ __forceinline__ bool vec16_ok(const E* base, int64_t s0, int64_t s1, int64_t s2) {
+  const int64_t e = sizeof(E);
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (s0 * e) % 16 == 0 && (s1 * e) % 16 == 0 &&
+         (s2 * e) % 16 == 0;
+}
+// The same 64 x D tile as stage_tile4, without conversion (dst of the source's type, leading dim ld with 16-byte
+// rows), by 16-byte cp.async (not committed: the caller commits and waits) where `async` (the source's rows
+// 16-byte aligned, vec16_ok, and the source not null); otherwise by stage_tile4 at once. Either way the copy
+// is visible to the block after the caller's wait and barrier. Rows >= nvalid are zero.
+template <int D, typename E>
+__device__ __forceinline__ void stage_tile_async(const TileSrc<E>& a, int64_t a0, int64_t a2, E* dst, int ld,
+                                                 int64_t row0, int nvalid, bool async) {
+  if (!async || a.src == nullptr) {
+    stage_tile4<D>(a, a0, a2, dst, ld, row0, nvalid);
+    return;
+  }
+  constexpr int kV = 16 / int(sizeof(E)), kPerRow = D / kV, kN = 64 * kPerRow / kTcThreads;
+  static_assert(kN >= 1 && (64 * kPerRow) % kTcThreads == 0, "stage_tile_async: tile shape");
+  const E* base = a.src + a0 * a.s0 + row0 * a.s1 + a2 * a.s2;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int idx = threadIdx.x + i * kTcThreads, r = idx / kPerRow, d = kV * (idx % kPerRow);
+    const bool ok = r < nvalid;
+    cp_async16(dst + r * ld + d, ok ? base + r * a.s1 + d : base, ok);
+  }
+}
 
 // A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (fp32, into Wf, leading dim lw) of kv
 // head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero.
