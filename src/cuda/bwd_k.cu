@@ -98,20 +98,35 @@ struct BwdK {
           kt[nt][2 * hr + 1] = ok ? to_f(src[8 * nt + 2 * t4 + 1]) : 0.f;
         }
       }
+      // The steps' W, W2 tiles alternate between (Ws, W2s) and (Ss, Qs), free until pass 2: the next step's
+      // load by cp.async while this one's products run.
+      __half* const sqh = reinterpret_cast<__half*>(Ss);
+      auto issue_w = [&](int qc, int b) {
+        const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
+        load_tile_async<K>(b ? sqh : Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(b ? sqh + kChunk * LK : W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        cp_async_commit();
+      };
+      const int qc_end = lastl < last - 1 ? lastl : last - 1;  // the last step's chunk
+      if (kc + 1 <= qc_end) issue_w(kc + 1, 0);
       for (int qc = kc + 1; qc <= lastl; ++qc) {
         park(kt, qc - kc - 1);
         if (qc == last) break;
-        const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
+        const int b = (qc - kc - 1) & 1;
+        __syncthreads();  // the step before is done with the other buffer
+        if (qc + 1 <= qc_end) {
+          issue_w(qc + 1, b ^ 1);
+          cp_async_wait_group<1>();
+        } else {
+          cp_async_wait_all();
+        }
         __syncthreads();
-        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        cp_async_commit();
-        cp_async_wait_all();
-        __syncthreads();
+        const __half* w_s = b ? sqh : Ws;
+        const __half* w2_s = b ? sqh + kChunk * LK : W2s;
         float y[8][4];
         zero_acc(y);
-        warp_mma_rs<__half, K / 16, 8, false>(y, kt, 1.f, W2s, LK, 0);
-        warp_mma_rs<__half, 4, K / 8, true>(kt, y, -1.f, Ws, LK, 0);
+        warp_mma_rs<__half, K / 16, 8, false>(y, kt, 1.f, w2_s, LK, 0);
+        warp_mma_rs<__half, 4, K / 8, true>(kt, y, -1.f, w_s, LK, 0);
       }
       if (far && !p.kfar) {
         for (int a = sbk + 1; a <= last_sb; ++a) {

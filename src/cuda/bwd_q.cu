@@ -121,20 +121,37 @@ struct BwdQ {
         }
       }
       auto park = [&](int slot) { store_tile<__half, K>(scratch + size_t(slot) * kChunk * K, K, qt); };
+      // The steps' W, W2 tiles: with kPf1 (the key / value region holds two such tiles, free until the diagonal
+      // chunk) they alternate between (Ws, W2s) and that region, the next step's loading while this one runs.
+      constexpr bool kPf1 = S::region >= 2 * size_t(kChunk) * LK * 2;
+      __half* const kvh = reinterpret_cast<__half*>(Ks);
+      auto issue_w = [&](int kc, int b) {
+        const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+        load_tile_async<K>(b ? kvh : Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        load_tile_async<K>(b ? kvh + kChunk * LK : W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        cp_async_commit();
+      };
+      const int kc_end = first > 1 ? first : 1;  // the last step's chunk (none past chunk 0)
+      if (kPf1 && qc - 1 >= kc_end) issue_w(qc - 1, 0);
       for (int kc = qc - 1; kc >= first; --kc) {
         if (p.qfar != 1) park(kc - first);
         if (kc == 0) break;
-        const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+        const int b = kPf1 ? (qc - 1 - kc) & 1 : 0;
+        __syncthreads();  // the step before is done with the other buffer (or, without kPf1, this one)
+        if (!kPf1) issue_w(kc, 0);
+        if (kPf1 && kc - 1 >= kc_end) {
+          issue_w(kc - 1, b ^ 1);
+          cp_async_wait_group<1>();
+        } else {
+          cp_async_wait_all();
+        }
         __syncthreads();
-        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        cp_async_commit();
-        cp_async_wait_all();
-        __syncthreads();
+        const __half* w_s = b ? kvh : Ws;
+        const __half* w2_s = b ? kvh + kChunk * LK : W2s;
         float x[8][4];
         zero_acc(x);
-        warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
-        warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
+        warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, w_s, LK, 0);
+        warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, w2_s, LK, 0);
       }
       if (first > 0 && p.qfar != 2) {
         T* qh = static_cast<T*>(p.qhat);

@@ -31,14 +31,18 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 // Shared memory fits two CTAs per SM at K = 128 (these kernels are latency-bound: a second item hides one's
 // barriers and loads): W2 is kept in fp16 (the w2h the scans use; the products that read it round it to tf32,
 // the same 10-bit mantissa), and W's fp32 tile, needed in fp32 only by the split-tf32 products A and W2, becomes
-// an fp16 tile after k~, sharing its space with the query tile of the per-head products.
+// an fp16 tile after k~, sharing its space with the query tile of the per-head products. At K = 64, where two
+// CTAs an SM are bounded by registers, not by shared memory, a second query tile (Qx) lets the query heads'
+// tiles load by cp.async while the CTA works: the first head's from the start, each next head's while the
+// current one's products run (the two tiles alternate).
 template <int K>
 struct PrepSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
+  static constexpr bool kQx = K == kChunk;
   static constexpr size_t wf = sizeof(float) * kChunk * LW, wh_q = 2 * 2 * size_t(kChunk) * LT;
   static constexpr size_t region0 = wf > wh_q ? wf : wh_q;  // W fp32, then W fp16 and Q
   static constexpr size_t bytes = region0 + 2 * size_t(kChunk) * LT + sizeof(float) * (2 * size_t(kChunk) * LC + kChunk) +
-                                  2 * size_t(kChunk) * LT;
+                                  2 * size_t(kChunk) * LT + (kQx ? 2 * size_t(kChunk) * LT : 0);
 };
 
 // Two CTAs per SM where the shared memory holds them (sm_90: 228 KB a SM; sm_80: 164 KB, so one at K = 128).
@@ -54,7 +58,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   constexpr int kU = kTcUnroll(K);
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   extern __shared__ float sm[];
-  float* Wf = sm;                                        // region 0 until k~
+  float* Wf = sm;                                        // region 0 until Z
   __half* Wh = reinterpret_cast<__half*>(sm);            // region 0 after k~: W (fp16), then Q
   T* Qs = reinterpret_cast<T*>(Wh + kChunk * LT);
   __half* W2h = reinterpret_cast<__half*>(reinterpret_cast<uint8_t*>(sm) + S::region0);
@@ -62,6 +66,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   float* R2 = R1 + kChunk * LC;
   float* bs = R2 + kChunk * LC;
   T* Ks = reinterpret_cast<T*>(bs + kChunk);
+  T* Qx = Ks + kChunk * LT;  // kQx only
   static_assert(S::region0 % 16 == 0 && (2 * kChunk * LT) % 16 == 0, "chunk_prep: 16-byte aligned tiles");
 
   const int2 ih = item_and_head(p.H);
@@ -72,6 +77,12 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   const bool qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
 
   PA_PROBE(0);
+  const TileSrc<T> q_src{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec};
+  const bool q16 = vec16_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
+  if constexpr (S::kQx) {  // the first query head's tile, by cp.async (waited for in the heads' loop)
+    stage_tile_async<K>(q_src, ch.b, h * p.group, Qx, LT, pos0, nq, q16);
+    cp_async_commit();
+  }
   stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW);
   if (tid < kChunk) {
     const int r = tid;
@@ -105,32 +116,10 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   block_mm_tc<kChunk, kChunk, K, false, kU>(
       w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
       [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; }, kFull.out_lower(-1));
-  __syncthreads();
-  PA_PROBE(4);
-  // U = E diag(b) Z, in place in R1 (strict lower).
-  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int t) { return t <= r ? R2[r * LC + t] * bs[t] : 0.f; },
-      [&](int t, int c) { return R1[t * LC + c]; }, [&](int r, int c, float v) { R1[r * LC + c] = v; },
-      kFull.kmax_r(0).kmin_c(1));
-  __syncthreads();
-  PA_PROBE(5);
-  // k~ = K - U^T W, and the fp16 copies of W and W2.
-  T* ktp = static_cast<T*>(p.kt);
-  block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(
-      [&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return Wf[s * LW + d]; },
-      [&](int r, int d, float v, float u) {
-        if (r < nq)
-          *reinterpret_cast<uint32_t*>(ktp + ((tok0 + r) * p.H + h) * K + d) =
-              Pack2<T>::pack(to_f(Ks[r * LT + d]) - v, to_f(Ks[r * LT + d + 1]) - u);
-      },
-      kFull.kmin_r(1));
-  for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
-    const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
-    const int64_t o = ((tok0 + r) * p.H + h) * K + d;
-    const float4 w = *reinterpret_cast<const float4*>(Wf + r * LW + d);
-    *reinterpret_cast<uint2*>(p.w16 + o) = make_uint2(Pack2<__half>::pack(w.x, w.y), Pack2<__half>::pack(w.z, w.w));
-    *reinterpret_cast<uint2*>(p.w2h + o) = *reinterpret_cast<const uint2*>(W2h + r * LT + d);
-  }
-  // W's fp32 tile -> its fp16 tile in region 0 (every thread's reads before any write).
+  // W's fp32 tile -> its fp16 tile in region 0 (every thread's reads before the barrier, its writes after): the
+  // split products that need fp32 W are done, and the rest round it to tf32's 10-bit mantissa anyway. That frees
+  // the query tile's half of region 0, where the first query head's tile then loads by cp.async (K = 128; at
+  // K = 64 it is loading into Qx since the start) while U and k~ run.
   {
     constexpr int kPer = kChunk * K / 4 / kPrepThreads;
     static_assert(kChunk * K / 4 % kPrepThreads == 0, "chunk_prep: W's conversion in whole steps");
@@ -148,15 +137,59 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
           make_uint2(Pack2<__half>::pack(w[i].x, w[i].y), Pack2<__half>::pack(w[i].z, w[i].w));
     }
   }
+  if constexpr (!S::kQx) {
+    stage_tile_async<K>(q_src, ch.b, h * p.group, Qs, LT, pos0, nq, q16);
+    cp_async_commit();
+  }
+  PA_PROBE(4);
+  // U = E diag(b) Z, in place in R1 (strict lower).
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int t) { return t <= r ? R2[r * LC + t] * bs[t] : 0.f; },
+      [&](int t, int c) { return R1[t * LC + c]; }, [&](int r, int c, float v) { R1[r * LC + c] = v; },
+      kFull.kmax_r(0).kmin_c(1));
+  __syncthreads();
+  PA_PROBE(5);
+  // k~ = K - U^T W, and the fp16 copies of W and W2.
+  T* ktp = static_cast<T*>(p.kt);
+  block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(
+      [&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return __half2float(Wh[s * LT + d]); },
+      [&](int r, int d, float v, float u) {
+        if (r < nq)
+          *reinterpret_cast<uint32_t*>(ktp + ((tok0 + r) * p.H + h) * K + d) =
+              Pack2<T>::pack(to_f(Ks[r * LT + d]) - v, to_f(Ks[r * LT + d + 1]) - u);
+      },
+      kFull.kmin_r(1));
+  for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
+    const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
+    const int64_t o = ((tok0 + r) * p.H + h) * K + d;
+    *reinterpret_cast<uint2*>(p.w16 + o) = *reinterpret_cast<const uint2*>(Wh + r * LT + d);
+    *reinterpret_cast<uint2*>(p.w2h + o) = *reinterpret_cast<const uint2*>(W2h + r * LT + d);
+  }
   // Per query head of the group.
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-    __syncthreads();
+    __syncthreads();  // the previous head's products are done with their tiles (and W's fp16 tile is written)
     PA_PROBE(6);
-    stage_tile4<K>(TileSrc<T>{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec}, ch.b, hq, Qs, LT, pos0, nq);
+    T* Qc = Qs;  // this head's query tile
+    if constexpr (S::kQx) {
+      const int i = hq - h * p.group;
+      Qc = i & 1 ? Qs : Qx;
+      if (hq + 1 < (h + 1) * p.group) {  // the next head's tile into the other one, while this head's products run
+        stage_tile_async<K>(q_src, ch.b, hq + 1, i & 1 ? Qx : Qs, LT, pos0, nq, q16);
+        cp_async_commit();
+        cp_async_wait_group<1>();
+      } else {
+        cp_async_wait_all();
+      }
+    } else {
+      if (hq > h * p.group) {
+        stage_tile_async<K>(q_src, ch.b, hq, Qs, LT, pos0, nq, q16);
+        cp_async_commit();
+      }
+      cp_async_wait_all();
+    }
     __syncthreads();
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
-    block_mm_tc<kChunk, kChunk, K, false, kU>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+    block_mm_tc<kChunk, kChunk, K, false, kU>([&](int r, int k) { return to_f(Qc[r * LT + k]); },
                                               [&](int k, int c) { return __half2float(Wh[c * LT + k]); },
                                               [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; },
                                               kFull.out_lower(0));
@@ -168,11 +201,11 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
         [&](int r, int d, float v, float u) {
           if (r < nq)
             *reinterpret_cast<float2*>(p.qtl + ((tok0 + r) * p.HQ + hq) * K + d) =
-                make_float2(to_f(Qs[r * LT + d]) - v, to_f(Qs[r * LT + d + 1]) - u);
+                make_float2(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
     // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
-    block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false, kU>([&](int r, int k) { return to_f(Qs[r * LT + k]); },
+    block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false, kU>([&](int r, int k) { return to_f(Qc[r * LT + k]); },
         [&](int k, int c) { return to_f(Ks[c * LT + k]); }, [&](int r, int k) { return R2[r * LC + k]; },
         [&](int k, int c) { return -R1[k * LC + c]; },
         [&](int r, int c, float v, float u) {
