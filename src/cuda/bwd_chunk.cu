@@ -20,8 +20,8 @@ constexpr int kThreads = kTcThreads;
 // kStageDA: a query head's dA_loc is staged in shared memory (dAs) rather than read from global memory inside
 // the products; kStageDQ (with kStageDA): its dq~ too (dQs). Chosen at launch where the device allows the larger
 // block (kStageDA: not on sm_80 at K = 64; kStageDQ: on sm_90). At K = 64 dQs has its own region; at K = 128
-// it lies over Zs and Es, which the query heads' loop does not read: E is read from p.E again and Z
-// recomputed after it.
+// it lies over Zs and Es (as D's first rows do before the loop), which the query heads' loop does not read: E
+// is read from p.E again and Z recomputed after it.
 template <int K, bool kStageDA, bool kStageDQ = false>
 struct BwdChunkSmem {
   static_assert(kStageDA || !kStageDQ, "dq~ is staged only with dA_loc");
@@ -58,8 +58,10 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   T* Ks = reinterpret_cast<T*>(dbs + kChunk);
   T* Qs = Ks + kChunk * LT;
   float* dAs = reinterpret_cast<float*>(Qs + kChunk * LT);  // kStageDA only
-  constexpr bool kDQOverZE = kStageDQ && K > kChunk;  // dQs over Zs, Es (E parked, Z recomputed)
-  float* dQs = kDQOverZE ? Zs : dAs + kChunk * LC;    // kStageDQ only
+  // At K = 128 with D staged, D's rows 0..63 and then (kStageDQ) dq~ lie over Zs and Es, which are free from U's
+  // product to the query heads' loop's end: E is read again and Z recomputed after it.
+  constexpr bool kOverZE = K > kChunk && kStageDA;
+  float* dQs = K > kChunk ? Zs : dAs + kChunk * LC;  // kStageDQ only
   float* Big = Xs;  // [64][LW] over Xs and dXs: dk~ first, dW E^T-product later
 
   const int2 ih = item_and_head(p.H);
@@ -79,8 +81,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // in the order they are needed, each as early as its space is free, so that their loads overlap the products
   // before their first use (one CTA an SM: nothing else hides them): G0 k, w (then beta, synchronously); G1 E and
   // W2 (fp16, converted where read); G2 dk~ (over Xs / dXs); G3 D = dP (K = 64: over dAs; K = 128: rows 64..127
-  // over Qs / dAs); at K = 64 G4 the first query head's Q and dq~. Sources that cp.async cannot take (rows not
-  // 16-byte aligned) are staged at once instead.
+  // over Qs / dAs); at K = 64 G4 the first query head's Q and dq~; at K = 128 D's rows 0..63 (over Zs / Es) once
+  // U is done. Sources that cp.async cannot take (rows not 16-byte aligned) are staged at once instead.
   PA_PROBE(0);
   {
     const T* kp = static_cast<const T*>(p.k);
@@ -100,9 +102,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   cp_async_commit();
   const float* Dm = p.dP + (int64_t(ci) * p.H + h) * K * K;
   constexpr bool kStageD = K == kChunk || kStageDA;
-  // D rows 0..63: K = 64 over dAs (free until the query heads' loop; LC = LW there), else over Xs / dXs once dk~
-  // is read; rows 64..127 (K = 128) over Qs / dAs.
-  float* D0 = K == kChunk && kStageDA ? dAs : Big;
+  // D rows 0..63: K = 64 over dAs (free until the query heads' loop; LC = LW there) or, without dAs, over Xs / dXs
+  // once dk~ is read; K = 128 over Zs / Es; rows 64..127 (K = 128) over Qs / dAs.
+  float* D0 = K == kChunk ? (kStageDA ? dAs : Big) : Zs;
   float* D1 = reinterpret_cast<float*>(Qs);
   if constexpr (kStageD) {
     static_assert(K > kChunk || LC == LW, "D over dAs at K = 64");
@@ -149,15 +151,12 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                                  [&](int t, int c) { return Zs[t * LC + c]; },
                                                  [&](int r, int c, float v) { Us[r * LC + c] = v; },
                                                  kFull.kmax_r(0).kmin_c(1));
-  // (K = 128 with dq~ staged: the first head's dq~ over Zs / Es, which are free from here until the loop's end.)
-  if constexpr (kDQOverZE) {
+  if constexpr (kOverZE) {  // D rows 0..63 over Zs / Es, free from here, while the dk~ products run
     __syncthreads();
-    stage_tile_async<K>(dq_src, 0, h * p.group, dQs, LW, tok0, nq, true);
+    stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
     cp_async_commit();
-    cp_async_wait_group<2>();  // G2 (dk~), G3 (D rows 64..127)
-  } else {
-    cp_async_wait_group<1>();  // G2, G3
   }
+  cp_async_wait_group<1>();  // G2 (dk~), G3 (D; not K = 64's G4 or K = 128's D rows 0..63)
   __syncthreads();
   PA_PROBE(5);
 
@@ -173,7 +172,10 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // dW2 -= W D;  dW -= W2 D^T.
   if constexpr (kStageD) {
     static_assert(2 * kChunk * LC >= kChunk * LW, "D rows 0..63 over Xs / dXs");
-    if constexpr (!(K == kChunk && kStageDA)) {  // rows 0..63 over dk~, read above
+    if constexpr (kOverZE) {
+      cp_async_wait_all();
+      __syncthreads();
+    } else if constexpr (!kStageDA) {  // K = 64: rows 0..63 over dk~, read above
       __syncthreads();
       stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
       cp_async_commit();
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   const bool dq_pair = vec2_ok(dqp, p.dq_s[0], p.dq_s[1], p.dq_s[2]);
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
     const bool first = hq == h * p.group;
-    __syncthreads();  // D (over Xs / dXs, dAs or Qs) and the previous head's Qs / Xs / dXs are no longer read
+    __syncthreads();  // D (over Zs / Es, dAs, Xs / dXs or Qs) and the previous head's tiles are no longer read
     PA_PROBE(6);
     // Q (one group: X needs it first), then dA_loc (kStageDA) and dq~ (kStageDQ); rows past the end: zero.
     if (!(kPreQ && first)) stage_tile_async<K>(q_src, ch.b, hq, Qs, LT, pos0, nq, q16);
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       stage_tile_async<kChunk>(TileSrc<float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
                                tok0, nq, true);
     if constexpr (kStageDQ)
-      if (!first) stage_tile_async<K>(dq_src, 0, hq, dQs, LW, tok0, nq, true);
+      if (!(kPreQ && first)) stage_tile_async<K>(dq_src, 0, hq, dQs, LW, tok0, nq, true);
     cp_async_commit();
     const float* dal = p.aloc + (tok0 * p.HQ + hq) * kChunk;
     const int64_t dal_ld = int64_t(p.HQ) * kChunk;
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   }
   __syncthreads();
   PA_PROBE(9);
-  if constexpr (kDQOverZE) {  // E again (its copy overlapping Z's recompute), Z (synchronised before dE below)
+  if constexpr (kOverZE) {  // E again (its copy overlapping Z's recompute), Z (synchronised before dE below)
     stage_tile_async<kChunk>(e_src, 0, 0, Es, LC, 0, kChunk, true);
     cp_async_commit();
     compute_z();

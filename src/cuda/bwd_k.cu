@@ -201,14 +201,15 @@ struct BwdK {
         b.gk[threadIdx.x] = sc.gk;
       }
     };
-    // The tiles of query chunk qc, head hq, into b: dO and qhat by cp.async (not committed); q~ (from the fp32
-    // qtl) converted on the way.
+    // The tiles of query chunk qc, head hq, into b: dO and qhat or q~ by cp.async (not committed); q~ from qtl16
+    // (chunk_prep's copy in dtype T), or where there is none from the fp32 qtl, converted on the way.
     auto stage_tiles = [&](int qc, int hq, bool from_qhat, QBuf b) {
       const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
       const int nqv = min(kChunk, ch.len - qc * kChunk);
       load_tile_async<V>(b.dout, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
-      if (from_qhat) {
-        load_tile_async<K>(b.q, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
+      if (from_qhat || p.qtl16 != nullptr) {
+        load_tile_async<K>(b.q, static_cast<const T*>(from_qhat ? p.qhat : p.qtl16) + (tok * p.HQ + hq) * K,
+                           int64_t(p.HQ) * K, nqv);
       } else {
         // float4 groups, four per thread loaded before they are stored (h and dv hold most registers here).
         constexpr int kGroups = kChunk * (K / 4) / kBwdThreads, kPer = 4;
