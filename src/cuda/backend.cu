@@ -297,9 +297,6 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   PA_CU(ws.alloc(&kp.dqt, NT * HQ * K));
   PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
   PA_CU(ws.alloc(&kp.E, size_t(kp.nchunks) * H * kChunk * kChunk));  // chunk_prep -> bwd_chunk
-  __half* qtl16 = nullptr;  // chunk_prep -> bwd_k (2-byte elements of q's dtype)
-  PA_CU(ws.alloc(&qtl16, NT * HQ * K));
-  kp.qtl16 = qtl16;
   if (pr.gate) {
     PA_CU(ws.alloc(&kp.dgrow, NT * HQ));
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));

@@ -201,33 +201,16 @@ struct BwdK {
         b.gk[threadIdx.x] = sc.gk;
       }
     };
-    // The tiles of query chunk qc, head hq, into b: dO and qhat or q~ by cp.async (not committed); q~ from qtl16
-    // (chunk_prep's copy in dtype T), or where there is none from the fp32 qtl, converted on the way.
+    // The tiles of query chunk qc, head hq, into b: dO and qhat or q~ by cp.async (not committed).
     auto stage_tiles = [&](int qc, int hq, bool from_qhat, QBuf b) {
       const int64_t tok = seq_tok0 + int64_t(qc) * kChunk, pos = ch.t0 + int64_t(qc) * kChunk;
       const int nqv = min(kChunk, ch.len - qc * kChunk);
       load_tile_async<V>(b.dout, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
-      if (from_qhat || p.qtl16 != nullptr) {
-        load_tile_async<K>(b.q, static_cast<const T*>(from_qhat ? p.qhat : p.qtl16) + (tok * p.HQ + hq) * K,
-                           int64_t(p.HQ) * K, nqv);
-      } else {
-        // float4 groups, four per thread loaded before they are stored (h and dv hold most registers here).
-        constexpr int kGroups = kChunk * (K / 4) / kBwdThreads, kPer = 4;
-        for (int i0 = 0; i0 < kGroups; i0 += kPer) {
-          float4 v4[kPer];
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) {
-            const int idx = threadIdx.x + (i0 + i) * kBwdThreads, r = idx / (K / 4), d = 4 * (idx % (K / 4));
-            v4[i] = r < nqv ? *reinterpret_cast<const float4*>(p.qtl + ((tok + r) * p.HQ + hq) * K + d)
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-          }
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) {
-            const int idx = threadIdx.x + (i0 + i) * kBwdThreads, r = idx / (K / 4), d = 4 * (idx % (K / 4));
-            *reinterpret_cast<uint2*>(b.q + r * LK + d) =
-                make_uint2(Pack2<T>::pack(v4[i].x, v4[i].y), Pack2<T>::pack(v4[i].z, v4[i].w));
-          }
-        }
+      if (from_qhat) {
+        load_tile_async<K>(b.q, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
+      } else {  // q~ in dtype T, rows 2 K elements apart (bwd_q left it in the first half of qtl's fp32 rows)
+        load_tile_async<K>(b.q, reinterpret_cast<const T*>(p.qtl) + (tok * p.HQ + hq) * 2 * K, int64_t(p.HQ) * 2 * K,
+                           nqv);
       }
     };
     auto stage_queries = [&](int qc, int hq, bool from_qhat, QBuf b) {

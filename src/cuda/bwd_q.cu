@@ -10,6 +10,8 @@
 //          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
 // With p.qfar (bwd_q_far.cu does the far superblocks on Hopper) it runs twice: qfar = 1 writes qhat and stops;
 // qfar = 2 (after bwd_q_far) parks only the own superblock's states and starts pass 2's chain there from dqt.
+// The last launch is the last reader of qtl (fp32): once a warp has read its rows it leaves q~ there in the input
+// type, in each row's first half, which bwd_k loads by cp.async as its score operand.
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 reductions, or,
 // in deterministic mode, plain adds in the order of the items (a ticket per sum: an item waits until every
 // earlier item adding into the same sum has added; the grid is persistent and takes items in order, so the
@@ -118,6 +120,17 @@ struct BwdQ {
           float2 v2 = r < nq ? *reinterpret_cast<const float2*>(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
           qt[nt][2 * hr] = v2.x;
           qt[nt][2 * hr + 1] = v2.y;
+        }
+      }
+      if (p.qfar != 1) {  // the last reader of these rows: q~ in dtype T into their first halves, for bwd_k
+        __syncwarp();     // (a row's four lanes have read it)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          if (rr[hr] >= nq) continue;
+          T* dst = reinterpret_cast<T*>(p.qtl + ((tokq0 + rr[hr]) * p.HQ + hq) * K);
+#pragma unroll
+          for (int nt = 0; nt < K / 8; ++nt)
+            *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = Pack2<T>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
         }
       }
       auto park = [&](int slot) { store_tile<__half, K>(scratch + size_t(slot) * kChunk * K, K, qt); };

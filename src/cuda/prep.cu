@@ -23,7 +23,7 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp32), aloc (fp32) per query head, and in the
-// backward E (fp32, p.E set) and qtl16 (q~ in dtype T, p.qtl16 set).
+// backward (p.E set) E (fp32).
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
 // 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
 // [k][col] reads (B operands as stored) are 2-way (measured: ~20% of the chunk kernels' shared wavefronts are
@@ -199,12 +199,9 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
     block_mm_tc_pairs<kChunk, K, kChunk, false, kU>([&](int r, int s) { return R2[r * LC + s]; },
         [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
         [&](int r, int d, float v, float u) {
-          if (r < nq) {
-            const float a = to_f(Qc[r * LT + d]) - v, b = to_f(Qc[r * LT + d + 1]) - u;
-            const int64_t o = ((tok0 + r) * p.HQ + hq) * K + d;
-            *reinterpret_cast<float2*>(p.qtl + o) = make_float2(a, b);
-            if (p.qtl16 != nullptr) *reinterpret_cast<uint32_t*>(static_cast<T*>(p.qtl16) + o) = Pack2<T>::pack(a, b);
-          }
+          if (r < nq)
+            *reinterpret_cast<float2*>(p.qtl + ((tok0 + r) * p.HQ + hq) * K + d) =
+                make_float2(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
     // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
