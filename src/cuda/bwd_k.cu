@@ -102,10 +102,7 @@ struct BwdK {
       // load by cp.async while this one's products run.
       __half* const sqh = reinterpret_cast<__half*>(Ss);
       auto issue_w = [&](int qc, int b) {
-        const int64_t tok = seq_tok0 + int64_t(qc) * kChunk;
-        load_tile_async<K>(b ? sqh : Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(b ? sqh + kChunk * LK : W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        cp_async_commit();
+        load_chunk_w_async<K>(p, seq_tok0 + int64_t(qc) * kChunk, h, b ? sqh : Ws, b ? sqh + kChunk * LK : W2s);
       };
       const int qc_end = lastl < last - 1 ? lastl : last - 1;  // the last step's chunk
       if (kc + 1 <= qc_end) issue_w(kc + 1, 0);

@@ -139,10 +139,7 @@ struct BwdQ {
       constexpr bool kPf1 = S::region >= 2 * size_t(kChunk) * LK * 2;
       __half* const kvh = reinterpret_cast<__half*>(Ks);
       auto issue_w = [&](int kc, int b) {
-        const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
-        load_tile_async<K>(b ? kvh : Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(b ? kvh + kChunk * LK : W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        cp_async_commit();
+        load_chunk_w_async<K>(p, seq_tok0 + int64_t(kc) * kChunk, h, b ? kvh : Ws, b ? kvh + kChunk * LK : W2s);
       };
       const int kc_end = first > 1 ? first : 1;  // the last step's chunk (none past chunk 0)
       if (kPf1 && qc - 1 >= kc_end) issue_w(qc - 1, 0);

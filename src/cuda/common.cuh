@@ -432,6 +432,15 @@ __device__ __forceinline__ void load_tile_async(E* dst, const E* src, int64_t st
   }
 }
 
+// A chunk's fp16 W and W2 tiles (the w16 and w2h rows of kv head h from token tok) into two [64][K + 8] tiles by
+// cp.async (the scan kernels' 128 threads), committed as one group.
+template <int K, class P>
+__device__ __forceinline__ void load_chunk_w_async(const P& p, int64_t tok, int h, __half* Wd, __half* W2d) {
+  load_tile_async<K>(Wd, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+  load_tile_async<K>(W2d, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+  cp_async_commit();
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Block-level fp32 product for the chunk (UT transform) kernels: out(r, c, sum_k a(r, k) b(k, c)) for
 // r < M, c < N, with k running over [klo(r, c), khi(r, c)) so triangular products skip their zeros.
