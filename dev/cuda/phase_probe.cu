@@ -131,8 +131,8 @@ void run(int T, int H) {
   const float t_prep = dev::median_ms(prep, 9);  // the last run leaves its stamps
   CK(cudaDeviceSynchronize());
   report("chunk_prep", {{0, "start"}, {1, "load K, W, beta"}, {2, "A = diag(b) W W^T (split tf32)"},
-                        {3, "E = (I + A)^-1 (and E's store)"}, {4, "W2 = E diag(b) W (split), Z = W K^T"},
-                        {5, "U = E diag(b) Z"}, {6, "k~, w16 / w2h stores"}, {7, "load Q"}, {8, "X = Q W^T"},
+                        {3, "E = (I + A)^-1 (and E's store)"}, {4, "W2 = E diag(b) W (split), Z = W K^T; W to fp16"},
+                        {5, "U = E diag(b) Z"}, {6, "k~, w16 / w2h stores"}, {7, "Q loaded"}, {8, "X = Q W^T"},
                         {9, "q~, A_loc (thread 0's end)"}},
          nctas, probe_table_prep, t_prep, smem_chunk_prep(K), clock_khz);
   // bwd_chunk reads E from the backward's chunk_prep (the variant that stores it).

@@ -31,10 +31,10 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 // Shared memory fits two CTAs per SM at K = 128 (these kernels are latency-bound: a second item hides one's
 // barriers and loads): W2 is kept in fp16 (the w2h the scans use; the products that read it round it to tf32,
 // the same 10-bit mantissa), and W's fp32 tile, needed in fp32 only by the split-tf32 products A and W2, becomes
-// an fp16 tile after k~, sharing its space with the query tile of the per-head products. At K = 64, where two
-// CTAs an SM are bounded by registers, not by shared memory, a second query tile (Qx) lets the query heads'
-// tiles load by cp.async while the CTA works: the first head's from the start, each next head's while the
-// current one's products run (the two tiles alternate).
+// an fp16 tile once they are done, sharing its space with the query tile of the per-head products. At K = 64,
+// where two CTAs an SM are bounded by registers, not by shared memory, a second query tile (Qx) lets the query
+// heads' tiles load by cp.async while the CTA works: the first head's from the start, each next head's while
+// the current one's products run (the two tiles alternate).
 template <int K>
 struct PrepSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   extern __shared__ float sm[];
   float* Wf = sm;                                        // region 0 until Z
-  __half* Wh = reinterpret_cast<__half*>(sm);            // region 0 after k~: W (fp16), then Q
+  __half* Wh = reinterpret_cast<__half*>(sm);            // region 0 after Z: W (fp16), then Q
   T* Qs = reinterpret_cast<T*>(Wh + kChunk * LT);
   __half* W2h = reinterpret_cast<__half*>(reinterpret_cast<uint8_t*>(sm) + S::region0);
   float* R1 = reinterpret_cast<float*>(W2h + kChunk * LT);
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   }
   // Per query head of the group.
   for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq) {
-    __syncthreads();  // the previous head's products are done with their tiles (and W's fp16 tile is written)
+    __syncthreads();  // the previous head's products are done with their tiles
     PA_PROBE(6);
     T* Qc = Qs;  // this head's query tile
     if constexpr (S::kQx) {
