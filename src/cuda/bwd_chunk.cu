@@ -84,14 +84,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // over Qs / dAs); at K = 64 G4 the first query head's Q and dq~; at K = 128 D's rows 0..63 (over Zs / Es) once
   // U is done. Sources that cp.async cannot take (rows not 16-byte aligned) are staged at once instead.
   PA_PROBE(0);
-  {
-    const T* kp = static_cast<const T*>(p.k);
-    const TileSrc<T> ksrc{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
-    const TileSrc<float> wsrc{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
-                              vec4_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2])};
-    stage_tile_async<K>(ksrc, ch.b, h, Ks, LT, pos0, nq, vec16_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2]));
-    stage_tile_async<K>(wsrc, ch.b, h, Wf, LW, pos0, nq, vec16_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2]));
-  }
+  stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW, true);
   cp_async_commit();
   const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
   const TileSrc<float> e_src{Eg, 0, kChunk, 0, true};

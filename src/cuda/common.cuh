@@ -750,15 +750,21 @@ __device__ __forceinline__ void stage_tile_async(const TileSrc<E>& a, int64_t a0
 }
 
 // A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (fp32, into Wf, leading dim lw) of kv
-// head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero.
+// head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero. With
+// `async`, by stage_tile_async (not committed), each tile whose rows allow it.
 template <int K, class P, typename T>
 __device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
-                                               float* Wf, int lw) {
+                                               float* Wf, int lw, bool async = false) {
   const T* kp = static_cast<const T*>(p.k);
   const TileSrc<T> ks{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
   const TileSrc<float> ws{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
                              vec4_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2])};
-  stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
+  if (async) {
+    stage_tile_async<K>(ks, b, h, Ks, lt, pos0, nq, vec16_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2]));
+    stage_tile_async<K>(ws, b, h, Wf, lw, pos0, nq, vec16_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2]));
+  } else {
+    stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
+  }
 }
 
 // One warp: acc (a 16 x 8 C fragment) += A B over an inner dimension KD, both operands fp32 in shared memory
