@@ -20,7 +20,9 @@
 // warp_mma_rr_tf32) and is staged in shared memory only for the dP / dPS outer products, which sum over all rows;
 // the staging tile lies over the key / value tiles (free at the outer products), the diagonal's dS tile over
 // W / W2, and the query snapshot is converted to the input type in place after its outer product: about
-// 106 KB of shared memory at K = V = 128, two CTAs per SM.
+// 106 KB of shared memory at K = V = 128, two CTAs per SM. At K = V = 64 two more tiles (55 -> 73 KB, still three
+// CTAs per SM) let the own superblock's pass 2 load each step's query snapshot during the step before and its keys,
+// values, W and W2 under its outer product (BwdQSmem::pf).
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -59,19 +61,32 @@ struct BwdQSmem {
   // diagonal's dXs [64][LX] f32; for V <= K, far key chunks' second Ks / Vs buffer); dOs [64][LV]; 5 x 64 f32.
   static constexpr size_t kv_bytes = size_t(kChunk) * (LK + LV) * 2, gb_bytes = size_t(kChunk) * LG * 4;
   static constexpr size_t region = kv_bytes > gb_bytes ? kv_bytes : gb_bytes;
-  static constexpr size_t bytes = size_t(kChunk) * (3 * LK + LV) * 2 + region + 5 * kChunk * 4;
+  static constexpr size_t base = size_t(kChunk) * (3 * LK + LV) * 2 + region + 5 * kChunk * 4;
+  // With pf, two more [64][LK] tiles in front of Qh: Qn, where pass 2's own superblock loads the next step's query
+  // snapshot, and Qc, its score operand (BwdQ::run). Only where K = 64's three CTAs an SM still fit: 228 KB an SM,
+  // 1 KB of it reserved a CTA, leaves 75 KB a CTA, less the kernel's static bytes (74 KB leaves room). K = V = 64
+  // takes 55.25 + 18 = 73.25 KB; K = 64, V = 128 would take 71.25 + 18 and keeps the single snapshot.
+  static constexpr size_t pf_bytes = size_t(kChunk) * 2 * LK * 2;
+  static constexpr bool pf = K == 64 && base + pf_bytes <= size_t(74) * 1024;
+  static constexpr size_t bytes = base + (pf ? pf_bytes : 0);
   static_assert(size_t(kChunk) * LX * 4 <= size_t(kChunk) * 2 * LK * 2, "dXs must fit over Ws, W2s");
+  static_assert(gb_bytes <= size_t(kChunk) * 2 * LK * 2, "gb must fit over two [64][LK] tiles");
 };
 
 template <typename T, int K, int V>
 struct BwdQ {
   using S = BwdQSmem<K, V>;
   static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
-  __half *Qh, *Ws, *W2s;
+  __half *Qh, *Ws, *W2s, *Qn, *Qc;
   T *Ks, *Vs, *dOs;
   float *gb, *dXs, *Gk, *Gk2, *lse2, *del, *dga;
 
   __device__ void carve(uint8_t* smem) {
+    if constexpr (S::pf) {
+      Qn = reinterpret_cast<__half*>(smem);
+      Qc = Qn + kChunk * LK;
+      smem += S::pf_bytes;
+    }
     Qh = reinterpret_cast<__half*>(smem);
     uint8_t* kv = smem + size_t(kChunk) * LK * 2;
     Ks = reinterpret_cast<T*>(kv);
@@ -280,25 +295,25 @@ struct BwdQ {
     auto rank_after = [&](int last) { return (last - qc) * p.group + hr_in_group; };
     float gq[K / 8][4];  // gbar, this warp's rows
     zero_acc(gq);
-    // gq -> gb (own rows); callers sync before other warps read gb.
-    auto stage_gbar = [&]() {
+    // gq -> Gs (own rows; [64][LG] f32); callers sync before other warps read it.
+    auto stage_gbar = [&](float* Gs) {
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
-          *reinterpret_cast<float2*>(gb + rr[hr] * LG + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
+          *reinterpret_cast<float2*>(Gs + rr[hr] * LG + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
     };
-    // dst += Qh^T gb (K x K; warp w owns rows [w K/4, (w+1) K/4)): vector reductions (sm_90; scalar atomics
-    // elsewhere), or, in deterministic mode, plain adds (through L2) once `ticket` says the rank earlier items
-    // have added theirs.
-    auto add_outer = [&](float* dst_base, int* ticket, int rank) {
+    // dst += Qs^T Gs (query snapshot, staged gbar; K x K; warp w owns rows [w K/4, (w+1) K/4)): vector reductions
+    // (sm_90; scalar atomics elsewhere), or, in deterministic mode, plain adds (through L2) once `ticket` says the
+    // rank earlier items have added theirs.
+    auto add_outer = [&](const __half* Qs, const float* Gs, float* dst_base, int* ticket, int rank) {
       constexpr int MT = K / 64;
       if (p.deterministic) ticket_wait(ticket, rank);
 #pragma unroll
       for (int n0 = 0; n0 < K; n0 += 64) {
         float d[MT][8][4];
         zero_acc(d);
-        warp_mma_tf32<MT, 8, true, true, __half, float>(d, Qh, LK, warp * 16 * MT, gb, LG, n0, kChunk);
+        warp_mma_tf32<MT, 8, true, true, __half, float>(d, Qs, LK, warp * 16 * MT, Gs, LG, n0, kChunk);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -324,23 +339,26 @@ struct BwdQ {
       }
       if (p.deterministic) ticket_pass(ticket, rank);
     };
-    // Qh (fp16 snapshot) as the score operand in the input type, converted in place (each thread its own
-    // elements). Callers sync before (the outer product has read Qh) and after (before the scores).
-    auto score_operand = [&]() -> const T* {
-      if constexpr (!IsHalf<T>::value) {
+    // Qs (fp16 snapshot) as the score operand in the input type at Qd: in place (Qd = Qs: nothing to do for fp16
+    // input) or into another tile (each thread its own elements). Callers sync before (the outer product has read
+    // Qs) and after (before the scores).
+    auto score_operand = [&](const __half* Qs, __half* Qd) -> const T* {
+      if (!IsHalf<T>::value || Qd != Qs) {
         for (int idx = threadIdx.x; idx < kChunk * (K / 8); idx += blockDim.x) {  // 8 elements (16 bytes) a step
           const int r = idx / (K / 8), d = 8 * (idx % (K / 8));
-          uint4 u = *reinterpret_cast<const uint4*>(Qh + r * LK + d);
-          uint32_t* w = reinterpret_cast<uint32_t*>(&u);
+          uint4 u = *reinterpret_cast<const uint4*>(Qs + r * LK + d);
+          if constexpr (!IsHalf<T>::value) {
+            uint32_t* w = reinterpret_cast<uint32_t*>(&u);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-            w[i] = Pack2<T>::pack(f.x, f.y);
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+              w[i] = Pack2<T>::pack(f.x, f.y);
+            }
           }
-          *reinterpret_cast<uint4*>(Qh + r * LK + d) = u;
+          *reinterpret_cast<uint4*>(Qd + r * LK + d) = u;
         }
       }
-      return reinterpret_cast<const T*>(Qh);
+      return reinterpret_cast<const T*>(Qd);
     };
     // One key chunk (tiles Kb, Vb, gate column terms Gb) against the query tile Qop: ds = P * (dP - delta),
     // gate row sums.
@@ -366,11 +384,21 @@ struct BwdQ {
     auto add_local = [&](const float (&ds)[8][4], const T* Kb) {
       warp_mma_rs<T, 4, K / 8, true>(gq, ds, p.scale, Kb, LK, 0);
     };
-    // Key chunk kc's tiles (cp.async, not committed) and gate column terms into Kb, Vb, Gb.
-    auto load_keys = [&](const T* keys, int kc, T* Kb, T* Vb, float* Gb) {
+    // The query snapshot of the own superblock's chunk kc (pass 1's slot kc - first) into dst (cp.async, not
+    // committed).
+    auto load_qt = [&](int kc, __half* dst) {
+      load_tile_async<K>(dst, scratch + size_t(kc - first) * kChunk * K, K, kChunk);
+    };
+    // Key chunk kc's key / value tiles into Kb, Vb (cp.async, not committed).
+    auto load_kv = [&](const T* keys, int kc, T* Kb, T* Vb) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk, pos = ch.t0 + int64_t(kc) * kChunk;
       load_tile_async<K>(Kb, keys + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
       load_tile_async<V>(Vb, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], kChunk);
+    };
+    // Key chunk kc's tiles (cp.async, not committed) and gate column terms into Kb, Vb, Gb.
+    auto load_keys = [&](const T* keys, int kc, T* Kb, T* Vb, float* Gb) {
+      const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+      load_kv(keys, kc, Kb, Vb);
       for (int j = threadIdx.x; j < kChunk; j += blockDim.x) Gb[j] = p.gate ? p.G[(tok + j) * p.HQ + hq] * gl2 : 0.f;
     };
     if (first > 0 && p.qfar == 2) {  // the far superblocks' part from bwd_q_far: gbar at the own superblock's start
@@ -389,7 +417,7 @@ struct BwdQ {
       float* dPSbase = p.dps + (int64_t(ch.sfirst) * p.H + h) * K * K;
       for (int sb = 0; sb < sbq; ++sb) {
         __syncthreads();
-        if (sb > 0) stage_gbar();
+        if (sb > 0) stage_gbar(gb);
         load_tile_async<K>(Qh, scratch + size_t(kSuperChunks + sb) * kChunk * K, K, kChunk);
         if (sb > 0) {
           const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
@@ -400,7 +428,7 @@ struct BwdQ {
         __syncthreads();
         if (sb > 0) {
           // Across superblock sb (qt_{sb-1} = qt_sb PS_sb): dPS_sb += qt_sb^T gbar, gbar <- gbar PS_sb^T.
-          add_outer(dPSbase + int64_t(sb) * p.H * K * K, tk_ps ? tk_ps + int64_t(sb) * p.H : nullptr,
+          add_outer(Qh, gb, dPSbase + int64_t(sb) * p.H * K * K, tk_ps ? tk_ps + int64_t(sb) * p.H : nullptr,
                     rank_after(nc - 1));
           float ga[K / 8][4];
           zero_acc(ga);
@@ -411,7 +439,7 @@ struct BwdQ {
             for (int e = 0; e < 4; ++e) gq[nt][e] = ga[nt][e];
           __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
         }
-        const T* Qop = score_operand();
+        const T* Qop = score_operand(Qh, Qh);
         if constexpr (V <= K) {
           // Double-buffered: chunk j + 1 loads (into Ks / Vs or over Ws / W2s, free after the superblock
           // step) while chunk j is scored.
@@ -450,28 +478,64 @@ struct BwdQ {
         }
       }
     }
+    // The own superblock's chunks. Without S::pf each step loads its tiles when their buffers free up and waits for
+    // them at once, twice a step. With S::pf the query snapshot comes into Qn, which the outer product and the
+    // conversion (into Qc) are done with at the barrier before the scores: the next step's snapshot loads from
+    // there on, under the scores, the chain step and the local add. gbar is staged over Qc and Qh (Qh is unused
+    // here), so the keys, values, W and W2 (single buffers: the step before reads them to its end) load from the
+    // step's start on, under the outer product and the conversion; the gate terms come through a register. Every
+    // tile keeps a fixed address and the first snapshot loads at its step's start: at 168 registers, alternating
+    // buffers or loading that snapshot under the diagonal made ptxas spill.
     for (int kc = first; kc < qc; ++kc) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
+      __half* const Qs = S::pf ? Qn : Qh;
+      float* const Gs = S::pf ? reinterpret_cast<float*>(Qc) : gb;
       __syncthreads();
-      if (kc > 0) stage_gbar();
-      load_tile_async<K>(Qh, scratch + size_t(kc - first) * kChunk * K, K, kChunk);
-      if (kc > 0) {
-        load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      float g_raw = 0.f;  // with S::pf, this thread's gate term of chunk kc, stored once the outer product is done
+      if constexpr (S::pf) {
+        if (kc == first) {  // the later steps' snapshots load during the step before
+          load_qt(kc, Qn);
+          cp_async_commit();
+        }
+        load_kv(ktp, kc, Ks, Vs);
+        if (kc > 0) load_chunk_w_async<K>(p, tok, h, Ws, W2s);  // commits: one group with the keys and values
+        else cp_async_commit();
+        if (p.gate && threadIdx.x < kChunk) g_raw = p.G[(tok + threadIdx.x) * p.HQ + hq];
       }
-      cp_async_commit();
-      cp_async_wait_all();
+      if (kc > 0) stage_gbar(Gs);
+      if constexpr (S::pf) {
+        cp_async_wait_group<1>();  // the snapshot; the keys, values, W, W2 may be in flight
+      } else {
+        load_qt(kc, Qh);
+        if (kc > 0) {
+          load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+          load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+      }
       __syncthreads();
       // Across chunk kc: dP_kc += qt_kc^T gbar (before gbar's step below).
       if (kc > 0)
-        add_outer(dPbase + int64_t(kc) * p.H * K * K, tk_p ? tk_p + int64_t(kc) * p.H : nullptr,
+        add_outer(Qs, Gs, dPbase + int64_t(kc) * p.H * K * K, tk_p ? tk_p + int64_t(kc) * p.H : nullptr,
                   rank_after(p.path ? min(kc / kSuperChunks * kSuperChunks + kSuperChunks - 1, nc - 1) : nc - 1));
-      __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
-      load_keys(ktp, kc, Ks, Vs, Gk);
-      cp_async_commit();
-      const T* Qop = score_operand();
+      __syncthreads();  // Gs (gb under Ks / Vs, or over Qc, Qh) and Qs read by every warp
+      if constexpr (!S::pf) {
+        load_keys(ktp, kc, Ks, Vs, Gk);
+        cp_async_commit();
+      }
+      const T* Qop = score_operand(Qs, S::pf ? Qc : Qs);
+      if constexpr (S::pf) {
+        if (threadIdx.x < kChunk) Gk[threadIdx.x] = p.gate ? g_raw * gl2 : 0.f;  // as load_keys
+      }
       cp_async_wait_all();
       __syncthreads();
+      if constexpr (S::pf) {
+        if (kc + 1 < qc) {
+          load_qt(kc + 1, Qn);
+          cp_async_commit();
+        }
+      }
       float ds[8][4];
       scores(Qop, Ks, Vs, Gk, ds);
       if (kc > 0) {
