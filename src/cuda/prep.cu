@@ -35,14 +35,18 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 // where two CTAs an SM are bounded by registers, not by shared memory, a second query tile (Qx) lets the query
 // heads' tiles load by cp.async while the CTA works: the first head's from the start, each next head's while
 // the current one's products run (the two tiles alternate).
+// Layout: the item's inputs (region 0 with W fp32 [64][LW], later W fp16 and Q [64][LT] each; Ks [64][LT]; beta
+// [64]: PrepSet), then W2 fp16 [64][LT], R1 and R2 fp32 [64][LC], and with kQx the second query tile.
 template <int K>
 struct PrepSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
   static constexpr bool kQx = K == kChunk;
   static constexpr size_t wf = sizeof(float) * kChunk * LW, wh_q = 2 * 2 * size_t(kChunk) * LT;
   static constexpr size_t region0 = wf > wh_q ? wf : wh_q;  // W fp32, then W fp16 and Q
-  static constexpr size_t bytes = region0 + 2 * size_t(kChunk) * LT + sizeof(float) * (2 * size_t(kChunk) * LC + kChunk) +
-                                  2 * size_t(kChunk) * LT + (kQx ? 2 * size_t(kChunk) * LT : 0);
+  static constexpr size_t set = region0 + 2 * size_t(kChunk) * LT + sizeof(float) * kChunk;
+  static constexpr size_t bytes = set + 2 * size_t(kChunk) * LT + sizeof(float) * 2 * size_t(kChunk) * LC +
+                                  (kQx ? 2 * size_t(kChunk) * LT : 0);
+  static_assert(region0 % 16 == 0 && set % 16 == 0 && (2 * kChunk * LT) % 16 == 0, "chunk_prep: 16-byte tiles");
 };
 
 // Two CTAs per SM where the shared memory holds them (sm_90: 228 KB a SM; sm_80: 164 KB, so one at K = 128).
@@ -52,44 +56,67 @@ constexpr int prep_min_blocks(int K) { return K == 64 ? 2 : 1; }
 constexpr int prep_min_blocks(int) { return 2; }
 #endif
 
+// The item's inputs in shared memory (PrepSmem): region 0, the k tile, beta. They are staged (stage_prep_set)
+// apart from the item's work (chunk_prep_item), each side deriving the item's chunk and head itself, so that the
+// staging's addresses die at the barrier between them: ptxas spills at K = 128 76 / 128 -> 52 / 84 bytes,
+// chunk_prep -3% (dev/cuda/NOTES.md v3.28).
 template <typename T, int K>
-__global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
+struct PrepSet {
+  float* Wf;  // region 0 until Z
+  T* Ks;
+  float* bs;
+  __device__ PrepSet(uint8_t* base) {
+    using S = PrepSmem<K>;
+    Wf = reinterpret_cast<float*>(base);
+    Ks = reinterpret_cast<T*>(base + S::region0);
+    bs = reinterpret_cast<float*>(Ks + kChunk * S::LT);
+  }
+};
+
+// Item `item` (chunk item / H, kv head item % H)'s k and w tiles and beta into a set.
+template <typename T, int K>
+__device__ __forceinline__ void stage_prep_set(const KernelParams& p, int item, const PrepSet<T, K>& st) {
+  const ChunkDesc ch = p.chunks[item / p.H];
+  const int h = item % p.H, nq = chunk_rows(ch);
+  const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk;
+  stage_chunk_kw<K>(p, ch.b, pos0, h, nq, st.Ks, PrepSmem<K>::LT, st.Wf, PrepSmem<K>::LW);
+  if (threadIdx.x < kChunk) {
+    const int r = threadIdx.x;
+    const bool ok = r < nq && p.path;
+    st.bs[r] = ok ? p.beta[ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
+  }
+}
+
+// One (chunk, kv head) item, from its inputs st (staged and visible to the block); `shared` holds W2h, R1, R2
+// and Qx (kQx).
+template <typename T, int K>
+__device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item, const PrepSet<T, K>& st,
+                                                uint8_t* shared) {
   using S = PrepSmem<K>;
   constexpr int kU = kTcUnroll(K);
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
-  extern __shared__ float sm[];
-  float* Wf = sm;                                        // region 0 until Z
-  __half* Wh = reinterpret_cast<__half*>(sm);            // region 0 after Z: W (fp16), then Q
+  float* const Wf = st.Wf;
+  __half* Wh = reinterpret_cast<__half*>(Wf);  // region 0 after Z: W (fp16), then Q
   T* Qs = reinterpret_cast<T*>(Wh + kChunk * LT);
-  __half* W2h = reinterpret_cast<__half*>(reinterpret_cast<uint8_t*>(sm) + S::region0);
+  T* const Ks = st.Ks;
+  float* const bs = st.bs;
+  __half* W2h = reinterpret_cast<__half*>(shared);
   float* R1 = reinterpret_cast<float*>(W2h + kChunk * LT);
   float* R2 = R1 + kChunk * LC;
-  float* bs = R2 + kChunk * LC;
-  T* Ks = reinterpret_cast<T*>(bs + kChunk);
-  T* Qx = Ks + kChunk * LT;  // kQx only
-  static_assert(S::region0 % 16 == 0 && (2 * kChunk * LT) % 16 == 0, "chunk_prep: 16-byte aligned tiles");
+  T* Qx = reinterpret_cast<T*>(R2 + kChunk * LC);  // kQx only
 
-  const int2 ih = item_and_head(p.H);
-  const ChunkDesc ch = p.chunks[ih.x];
-  const int h = ih.y, nq = chunk_rows(ch), tid = threadIdx.x;
+  const ChunkDesc ch = p.chunks[item / p.H];
+  const int h = item % p.H, nq = chunk_rows(ch), tid = threadIdx.x;
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk, tok0 = ch.b * p.T + pos0;
   const T* qp = static_cast<const T*>(p.q);
   const bool qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
 
-  PA_PROBE(0);
   const TileSrc<T> q_src{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec};
   const bool q16 = vec16_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
   if constexpr (S::kQx) {  // the first query head's tile, by cp.async (waited for in the heads' loop)
     stage_tile_async<K>(q_src, ch.b, h * p.group, Qx, LT, pos0, nq, q16);
     cp_async_commit();
   }
-  stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW);
-  if (tid < kChunk) {
-    const int r = tid;
-    bs[r] = r < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
-  }
-  __syncthreads();
-  PA_PROBE(1);
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };   // W as the left operand
   auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };   // W^T as the right operand
   // A -> R1 (strict lower), split tf32.
@@ -101,7 +128,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   unit_lower_inverse(R1, LC, R2, LC);
   __syncthreads();
   if (p.E != nullptr) {  // the backward: E for bwd_chunk, which would otherwise rebuild A and invert it again
-    float* Eg = p.E + (int64_t(ih.x) * p.H + h) * kChunk * kChunk;
+    float* Eg = p.E + int64_t(item) * kChunk * kChunk;
     for (int i = tid; i < kChunk * kChunk / 4; i += blockDim.x) {
       const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
       *reinterpret_cast<float4*>(Eg + r * kChunk + c) = *reinterpret_cast<const float4*>(R2 + r * LC + c);
@@ -216,6 +243,19 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
         kFull.out_lower(0), kFull.out_lower(0).kmax_r(0).kmin_c(1));
   }
   PA_PROBE(9);
+}
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
+  using S = PrepSmem<K>;
+  extern __shared__ __align__(16) uint8_t prep_smem[];
+  uint8_t* const sm = prep_smem;
+  const PrepSet<T, K> set0(sm);
+  PA_PROBE(0);
+  stage_prep_set<T, K>(p, int(blockIdx.x), set0);
+  __syncthreads();
+  PA_PROBE(1);
+  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, sm + S::set);
 }
 
 // M <- M P_c = M - (M W_c^T) W2_c for an MR x K block of rows of a fp32 matrix M in shared memory (leading
