@@ -408,10 +408,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   kp.dvdiag = piece<float>(b2, dvdiag_off);
   if (kfar) kp.dvk = piece<float>(b2, dvk_off);  // the far part of dv, for bwd_k
   kp.scratch = piece<__half>(b2, scratch_off);
-  int* far_next = nullptr;  // the far kernels' item counters
-  PA_CU(ws.alloc(&far_next, 2));
+  // Item counters: bwd_q_far, bwd_k_far, bwd_q's qhat launch, bwd_q's last launch, bwd_k.
+  int* counters = nullptr;
+  PA_CU(ws.alloc(&counters, 5));
   if (ws.measuring()) return Status::Ok();
-  PA_CU(ws.zero(far_next, 2 * sizeof(int)));
+  PA_CU(ws.zero(counters, 5 * sizeof(int)));
   if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");
@@ -424,20 +425,20 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   if (!qfar_tiles.empty()) {  // qhat, the far superblocks, then the own superblock's part
     KernelParams k1 = kp;
     k1.qfar = 1;
-    PA_CU(launch_bwd_q(k1, dt, gq, q_items, s));
+    PA_CU(launch_bwd_q(k1, dt, gq, q_items, counters + 2, s));
     prof.mark("bwd_q(qhat)");
-    PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, far_next, dt, s));
+    PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, counters, dt, s));
     prof.mark("bwd_q_far");
     kp.qfar = 2;
   }
-  PA_CU(launch_bwd_q(kp, dt, gq, q_items, s));
+  PA_CU(launch_bwd_q(kp, dt, gq, q_items, counters + 3, s));
   prof.mark("bwd_q");
   if (!kfar_tiles.empty()) {
-    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, far_next + 1, dt, s));
+    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
     prof.mark("bwd_k_far");
     kp.kfar = true;
   }
-  PA_CU(launch_bwd_k(kp, dt, gk, s));
+  PA_CU(launch_bwd_k(kp, dt, gk, counters + 4, s));
   prof.mark("bwd_k");
   PA_CU(launch_super_bwd(kp, dt, sb_rows, sb_grid, s));
   prof.mark("super_bwd");

@@ -371,15 +371,20 @@ struct BwdK {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads, K == 64 && V == 64 ? 3 : 2) bwd_k_kernel(KernelParams p) {
+__global__ void __launch_bounds__(kBwdThreads, K == 64 && V == 64 ? 3 : 2) bwd_k_kernel(KernelParams p, int* next_item) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdK<T, K, V> w;
   w.carve(smem);
   T* scratch = reinterpret_cast<T*>(p.scratch) + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
   const int nitems = p.nchunks * p.H;
-  // order[] lists chunks by descending index; the key side has the most work at low indices.
-  for (int it = blockIdx.x; it < nitems; it += gridDim.x)
+  // order[] lists chunks by descending index; the key side has the most work at low indices. Items are started
+  // in that order from a counter as CTAs free up (as bwd_q's).
+  __shared__ int next;
+  for (;;) {
+    const int it = take_item(next_item, &next, 0);
+    if (it >= nitems) return;
     w.run(p, p.order[p.nchunks - 1 - it / p.H], it % p.H, scratch);
+  }
 }
 
 template <typename T, int K, int V>
@@ -389,10 +394,10 @@ cudaError_t set_attr() {
 }
 
 template <typename T, int K, int V>
-cudaError_t run_t(const KernelParams& p, int grid, cudaStream_t s) {
+cudaError_t run_t(const KernelParams& p, int grid, int* next, cudaStream_t s) {
   cudaError_t e = set_attr<T, K, V>();
   if (e != cudaSuccess) return e;
-  bwd_k_kernel<T, K, V><<<grid, kBwdThreads, BwdKSmem<K, V>::bytes, s>>>(p);
+  bwd_k_kernel<T, K, V><<<grid, kBwdThreads, BwdKSmem<K, V>::bytes, s>>>(p, next);
   return cudaGetLastError();
 }
 
@@ -410,8 +415,8 @@ int grid_t() {
              : (p.V == 64 ? FN<T, 128, 64>(__VA_ARGS__) : FN<T, 128, 128>(__VA_ARGS__)))
 
 template <typename T>
-cudaError_t dispatch(const KernelParams& p, int grid, cudaStream_t s) {
-  return PA_DISPATCH_KV(run_t, p, grid, s);
+cudaError_t dispatch(const KernelParams& p, int grid, int* next, cudaStream_t s) {
+  return PA_DISPATCH_KV(run_t, p, grid, next, s);
 }
 template <typename T>
 int grid_dispatch(const KernelParams& p) {
@@ -425,8 +430,8 @@ size_t smem_bwd_k(int K, int V) {
                  : (V == 64 ? BwdKSmem<128, 64>::bytes : BwdKSmem<128, 128>::bytes);
 }
 
-cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s) {
-  return dtype == 0 ? dispatch<__half>(p, grid, s) : dispatch<__nv_bfloat16>(p, grid, s);
+cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, int* next, cudaStream_t s) {
+  return dtype == 0 ? dispatch<__half>(p, grid, next, s) : dispatch<__nv_bfloat16>(p, grid, next, s);
 }
 
 int bwd_k_max_grid(const KernelParams& p, int dtype) {

@@ -563,20 +563,19 @@ struct BwdQ {
 };
 
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(KernelParams p, int nitems) {
+__global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(KernelParams p, int nitems,
+                                                                             int* next_item) {
   extern __shared__ __align__(16) uint8_t smem[];
   BwdQ<T, K, V> w;
   w.carve(smem);
   __half* scratch = p.scratch + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
-  if (!p.deterministic) {
-    for (int it = blockIdx.x; it < nitems; it += gridDim.x) w.run(p, p.order[it / p.HQ], it % p.HQ, scratch);
-    return;
-  }
-  // Deterministic mode: items are started in order from a counter (after the tickets), so the earliest unfinished
-  // item has started on a resident CTA and waits for nobody: the tickets cannot deadlock, whatever number of
-  // this grid's CTAs the device holds at once.
+  // Items (most work first) are started in order from a counter as CTAs free up: a slice of one kv head has a
+  // few items a CTA, of unequal work, which a fixed stride over the grid balances badly. In deterministic mode
+  // the counter follows the tickets, and the order is what keeps them from deadlocking: the earliest unfinished
+  // item has started on a resident CTA and waits for nobody, whatever number of this grid's CTAs the device
+  // holds at once.
   __shared__ int next;
-  int* counter = p.tickets + int64_t(p.nchunks + p.nsuper) * p.H;
+  int* counter = p.deterministic ? p.tickets + int64_t(p.nchunks + p.nsuper) * p.H : next_item;
   for (;;) {
     const int it = take_item(counter, &next, 0);
     if (it >= nitems) return;
@@ -591,10 +590,10 @@ cudaError_t set_attr() {
 }
 
 template <typename T, int K, int V>
-cudaError_t run_t(const KernelParams& p, int grid, int nitems, cudaStream_t s) {
+cudaError_t run_t(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
   cudaError_t e = set_attr<T, K, V>();
   if (e != cudaSuccess) return e;
-  bwd_q_kernel<T, K, V><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems);
+  bwd_q_kernel<T, K, V><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems, next);
   return cudaGetLastError();
 }
 
@@ -612,8 +611,8 @@ int grid_t() {
              : (p.V == 64 ? FN<T, 128, 64>(__VA_ARGS__) : FN<T, 128, 128>(__VA_ARGS__)))
 
 template <typename T>
-cudaError_t dispatch(const KernelParams& p, int grid, int nitems, cudaStream_t s) {
-  return PA_DISPATCH_KV(run_t, p, grid, nitems, s);
+cudaError_t dispatch(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
+  return PA_DISPATCH_KV(run_t, p, grid, nitems, next, s);
 }
 template <typename T>
 int grid_dispatch(const KernelParams& p) {
@@ -627,8 +626,8 @@ size_t smem_bwd_q(int K, int V) {
                  : (V == 64 ? BwdQSmem<128, 64>::bytes : BwdQSmem<128, 128>::bytes);
 }
 
-cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, cudaStream_t s) {
-  return dtype == 0 ? dispatch<__half>(p, grid, nitems, s) : dispatch<__nv_bfloat16>(p, grid, nitems, s);
+cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, int* next, cudaStream_t s) {
+  return dtype == 0 ? dispatch<__half>(p, grid, nitems, next, s) : dispatch<__nv_bfloat16>(p, grid, nitems, next, s);
 }
 
 int bwd_q_max_grid(const KernelParams& p, int dtype) {

@@ -41,8 +41,9 @@ bool fwd_far_usable(const KernelParams& p);
 cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s);
 // Backward: delta = rowsum(dO * O).
 cudaError_t launch_bwd_delta(const KernelParams& p, int dtype, cudaStream_t s);
-// Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots).
-cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, cudaStream_t s);
+// Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots); `next`: the launch's
+// item counter (zeroed; unused in deterministic mode, which counts after p.tickets).
+cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, int* next, cudaStream_t s);
 // Query side's far part on sm_90a (bwd_q_far.cu), between bwd_q with p.qfar = 1 (qhat) and with p.qfar = 2:
 // per (tile of two query chunks past their sequence's superblock 0, query head; `tiles` as launch_fwd_far's),
 // adds the far superblocks' dPS (atomics) and writes gbar at the own superblock's start into dqt. Parked query
@@ -65,8 +66,9 @@ int far_grid(int64_t items);
 size_t bwd_k_far_park_elems(int grid, int park_slots, int K);
 cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
                              int grid, int* next, int dtype, cudaStream_t s);
-// Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk).
-cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, cudaStream_t s);
+// Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk); `next`: the
+// launch's item counter (zeroed).
+cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, int* next, cudaStream_t s);
 // Chunk-local backward through the UT transform: dq, dk, dv, dw, dbeta.
 cudaError_t launch_bwd_chunk(const KernelParams& p, int dtype, cudaStream_t s);
 // dg = reverse cumsum of (dgrow + dgcol) per (sequence, query head).
