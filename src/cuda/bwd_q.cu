@@ -486,6 +486,11 @@ struct BwdQ {
     // step's start on, under the outer product and the conversion; the gate terms come through a register. Every
     // tile keeps a fixed address and the first snapshot loads at its step's start: at 168 registers, alternating
     // buffers or loading that snapshot under the diagonal made ptxas spill.
+    // Commits the loads in flight together with chunk kc's W and W2 tiles (none for chunk 0: nothing to cross).
+    auto commit_with_w = [&](int kc, int64_t tok) {
+      if (kc > 0) load_chunk_w_async<K>(p, tok, h, Ws, W2s);
+      else cp_async_commit();
+    };
     for (int kc = first; kc < qc; ++kc) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
       __half* const Qs = S::pf ? Qn : Qh;
@@ -498,8 +503,7 @@ struct BwdQ {
           cp_async_commit();
         }
         load_kv(ktp, kc, Ks, Vs);
-        if (kc > 0) load_chunk_w_async<K>(p, tok, h, Ws, W2s);  // commits: one group with the keys and values
-        else cp_async_commit();
+        commit_with_w(kc, tok);  // one group with the keys and values
         if (p.gate && threadIdx.x < kChunk) g_raw = p.G[(tok + threadIdx.x) * p.HQ + hq];
       }
       if (kc > 0) stage_gbar(Gs);
@@ -507,11 +511,7 @@ struct BwdQ {
         cp_async_wait_group<1>();  // the snapshot; the keys, values, W, W2 may be in flight
       } else {
         load_qt(kc, Qh);
-        if (kc > 0) {
-          load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-          load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-        }
-        cp_async_commit();
+        commit_with_w(kc, tok);
         cp_async_wait_all();
       }
       __syncthreads();
