@@ -5,9 +5,14 @@
 // superblock's end (ks), then the query across the superblock, qt <- qt PS, the same fp16 product as
 // fwd_scan's. The loop is the one dev/cuda/far_tiling.cu measured fastest (vw6, 545 TFLOP/s on the far
 // loop against 320 for mma.sync): 128 query rows per CTA (the two chunks of a superblock pair, one warpgroup
-// each), 128-key chunks in 128-byte swizzled tiles loaded by TMA (one thread issues them) into three stages
-// with full / empty mbarriers, S = q k~^T and P V on wgmma with the scores of a chunk issued together with
-// P V of the previous one. The superblock product goes through a fourth tile with its own barriers.
+// each), 128-key chunks in 128-byte swizzled tiles loaded by TMA (one thread issues them) with full / empty
+// mbarriers, S = q k~^T and P V on wgmma with the scores of a chunk issued together with P V of the previous
+// one. The superblock product goes through a tile of its own with its own barriers. The query state between
+// crossings stays in shared memory as the fp16 fragments the next crossing multiplies (each thread its own):
+// a round trip of the fp32 state through global memory at every crossing cost about 30% of this kernel at
+// K = 128, T = 4k (dev/cuda/NOTES.md v3.29). The room for it comes from the k~ tiles: two stages of them (a
+// chunk's scores are done before the next chunk's loads are issued) against three of v (P V of chunk c - 1
+// runs beside the scores of c).
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -22,7 +27,8 @@ namespace {
 
 constexpr int kFarThreads = 256;                                    // two warpgroups
 constexpr int kFarKeys = 128;                                       // keys per far chunk
-constexpr int kFarStages = 3;                                       // chunk c - 1, c, c + 1
+constexpr int kFarStages = 3;                                       // v: chunk c - 1, c, c + 1
+constexpr int kFarKStages = 2;                                      // k~: chunk c, c + 1
 [[maybe_unused]] constexpr int kFarPerSuper = kSuperChunks * kChunk / kFarKeys;  // far chunks a superblock
 
 // The tensor maps of one call: ks [NT][H][K] (3-D), v [B][T][H][V] with its strides (4-D), ps
@@ -32,10 +38,13 @@ struct FarMaps {
   const int32_t* tiles;  // chunk-table index of each tile's first chunk (an even chunk past superblock 0)
 };
 
+// k~ and v stages, the superblock product (fp16), the query state (K / 16 16-byte fragments a thread), barriers.
 template <int K, int V>
 struct FarSmem {
   static constexpr size_t kTile = size_t(kFarKeys) * K * 2, vTile = size_t(kFarKeys) * V * 2;
-  static constexpr size_t bytes = 1024 + kFarStages * (kTile + vTile) + size_t(K) * K * 2 + 8 * (2 * kFarStages + 2);
+  static constexpr size_t state = size_t(K / 16) * kFarThreads * 16;
+  static constexpr size_t bytes = 1024 + kFarKStages * kTile + kFarStages * vTile + size_t(K) * K * 2 + state +
+                                  8 * (2 * kFarStages + kFarKStages + 2);
 };
 
 template <typename T, int K, int V, bool kGate>
@@ -45,17 +54,20 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   constexpr int NS = kFarKeys / 8, PK = kFarKeys / 16;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Ks = reinterpret_cast<T*>(align1k(smem));
-  T* Vs = Ks + kFarStages * kFarKeys * K;
+  T* Vs = Ks + kFarKStages * kFarKeys * K;
   __half* PSs = reinterpret_cast<__half*>(Vs + kFarStages * kFarKeys * V);
-  uint64_t* full = reinterpret_cast<uint64_t*>(PSs + K * K);
-  uint64_t* empty = full + kFarStages;
-  uint64_t* ps_full = empty + kFarStages;
+  uint4* Sq = reinterpret_cast<uint4*>(PSs + K * K);  // [K / 16][threads]: a thread's fp16 state fragments
+  uint64_t* full = reinterpret_cast<uint64_t*>(Sq + (K / 16) * kFarThreads);
+  uint64_t* empty = full + kFarStages;    // v stage free (P V done), one arrival a warp
+  uint64_t* kempty = empty + kFarStages;  // k~ stage free (scores done), one arrival a warp
+  uint64_t* ps_full = kempty + kFarKStages;
   uint64_t* ps_empty = ps_full + 1;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kFarStages; ++st) {
       mbar_init(&full[st], 1);
       mbar_init(&empty[st], kFarThreads / 32);
     }
+    for (int st = 0; st < kFarKStages; ++st) mbar_init(&kempty[st], kFarThreads / 32);
     mbar_init(ps_full, 1);
     mbar_init(ps_empty, kFarThreads / 32);
     mbar_init_fence();
@@ -77,14 +89,17 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     return int64_t(S - 1 - c / kFarPerSuper) * kSuperChunks * kChunk + (c % kFarPerSuper) * kFarKeys;
   };
 
-  auto issue = [&](int c) {  // thread 0: chunk c's k~ and v tiles into stage c % 3 once its last reader released it
-    const int st = c % kFarStages;
+  // Thread 0: chunk c's k~ tile into k~ stage c % 2 and its v tile into v stage c % 3, each once its last reader
+  // released it; both arrive on full[c % 3].
+  auto issue = [&](int c) {
+    const int st = c % kFarStages, kst = c % kFarKStages;
     if (c >= kFarStages) mbar_wait(&empty[st], uint32_t(c / kFarStages - 1) & 1);
+    if (c >= kFarKStages) mbar_wait(&kempty[kst], uint32_t(c / kFarKStages - 1) & 1);
     mbar_expect_tx(&full[st], uint32_t(kFarKeys * (K + V) * 2));
     const int64_t t = ch.t0 + key0(c);
 #pragma unroll 1
     for (int j = 0; j < K / 64; ++j)
-      tma_load(Ks + st * kFarKeys * K + j * kFarKeys * 64, &mp.ks, 64 * j, h, int(seq_tok0 + key0(c)), &full[st]);
+      tma_load(Ks + kst * kFarKeys * K + j * kFarKeys * 64, &mp.ks, 64 * j, h, int(seq_tok0 + key0(c)), &full[st]);
 #pragma unroll 1
     for (int j = 0; j < V / 64; ++j)
       tma_load(Vs + st * kFarKeys * V + j * kFarKeys * 64, &mp.v, 64 * j, h, int(t), int(ch.b), &full[st]);
@@ -98,21 +113,47 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     for (int j = 0; j < K / 64; ++j) tma_load(PSs + j * K * 64, &mp.ps, 64 * j, row, ps_full);
   };
   auto kdesc = [&](int c, int kt) {  // k~ K-major: a k-step is 16 columns (32 bytes) within a 64-column block
-    const char* t = reinterpret_cast<const char*>(Ks + (c % kFarStages) * kFarKeys * K);
+    const char* t = reinterpret_cast<const char*>(Ks + (c % kFarKStages) * kFarKeys * K);
     return smem_desc_sw128(t + (kt / 4) * kFarKeys * 128 + (kt % 4) * 32, 16, 1024);
   };
   auto vdesc = [&](int c, int kt) {  // v N-major: a k-step is 16 keys (2 KB); column blocks kFarKeys rows apart
     const char* t = reinterpret_cast<const char*>(Vs + (c % kFarStages) * kFarKeys * V);
     return smem_desc_sw128(t + kt * 16 * 128, kFarKeys * 128, 1024);
   };
-  auto release = [&](int c) {
+  auto release = [&](int c) {  // P V of chunk c done: its v stage
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[c % kFarStages]);
   };
+  auto release_k = [&](int c) {  // the scores of chunk c done: its k~ stage
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&kempty[c % kFarKStages]);
+  };
+  // The thread's fp16 query-state fragments (K / 16 k-steps of four words) in its own slots of Sq.
+  auto put_state = [&](const uint32_t(&f)[K / 16][4]) {
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt)
+      Sq[kt * kFarThreads + threadIdx.x] = make_uint4(f[kt][0], f[kt][1], f[kt][2], f[kt][3]);
+  };
+  auto get_state = [&](uint32_t(&f)[K / 16][4]) {
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) {
+      const uint4 u = Sq[kt * kFarThreads + threadIdx.x];
+      f[kt][0] = u.x;
+      f[kt][1] = u.y;
+      f[kt][2] = u.z;
+      f[kt][3] = u.w;
+    }
+  };
 
+  // The first chunks' tiles and the first product load while the state below does.
+  if (threadIdx.x == 0) {
+    issue(0);
+    if (nfc > 1) issue(1);
+    if (S > 1) issue_ps(0);
+  }
   // The state fwd_scan left: queries at the superblock's start (fp32), the output so far and its lse (base 2).
-  // Rows past the sequence: zero queries, finite state, never stored.
-  float* qrow[2];
+  // Rows past the sequence: zero queries, finite state, never stored. The crossings multiply the state in fp16
+  // (as fwd_scan's): it is kept as those fp16 fragments, the scores' operands (qa) in the input type.
   float o[V / 8][4];
   float m[2], l[2], alpha[2], Gq[2];
   uint32_t qa[K / 16][4];
@@ -123,10 +164,10 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
       const int r = rr[hr];
       const bool ok = r < nq;
       const int64_t row = (tokq0 + r) * p.HQ + hq;
-      qrow[hr] = p.qtl + row * K;
+      const float* qrow = p.qtl + row * K;
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt) {
-        const float2 v2 = ok ? *reinterpret_cast<const float2*>(qrow[hr] + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+        const float2 v2 = ok ? *reinterpret_cast<const float2*>(qrow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
         qt[nt][2 * hr] = v2.x;
         qt[nt][2 * hr + 1] = v2.y;
       }
@@ -142,6 +183,11 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
       Gq[hr] = (kGate && ok) ? p.G[row] * gl2 : 0.f;
     }
     pack_frags<T, K / 16>(qa, qt);
+    if (S > 1) {
+      uint32_t qh[K / 16][4];
+      pack_frags<__half, K / 16>(qh, qt);
+      put_state(qh);
+    }
   }
 
   float s[NS][4];
@@ -172,24 +218,12 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     }
     softmax_step(s, m, l, alpha);
   };
-  // Across superblock S - c / 4 (its chunks done): qt <- qt PS with fp16 operands; the fp32 state round-trips
-  // through this thread's own qtl entries (registers stay with the loop's tiles).
+  // Across superblock S - c / 4 (its chunks done): qt <- qt PS with fp16 operands (the state from Sq; the
+  // product's fp32 result goes back rounded to fp16, which is what the next crossing would round it to).
   auto cross = [&](int c) {
     const int n = c / kFarPerSuper - 1;
     uint32_t qh[K / 16][4];
-    {
-      float qt[K / 8][4];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt) {
-          const float2 v2 =
-              rr[hr] < nq ? *reinterpret_cast<const float2*>(qrow[hr] + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
-          qt[nt][2 * hr] = v2.x;
-          qt[nt][2 * hr + 1] = v2.y;
-        }
-      pack_frags<__half, K / 16>(qh, qt);
-    }
+    get_state(qh);
     mbar_wait(ps_full, uint32_t(n) & 1);
     float y[K / 8][4];
     fence_regs(qh);
@@ -203,21 +237,13 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     fence_regs(y);
     __syncwarp();
     if (lane == 0) mbar_arrive(ps_empty);
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      if (rr[hr] >= nq) continue;
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-        *reinterpret_cast<float2*>(qrow[hr] + 8 * nt + 2 * t4) = make_float2(y[nt][2 * hr], y[nt][2 * hr + 1]);
+    if (n + 1 < S - 1) {  // another crossing follows
+      pack_frags<__half, K / 16>(qh, y);
+      put_state(qh);
     }
     pack_frags<T, K / 16>(qa, y);
   };
 
-  if (threadIdx.x == 0) {
-    issue(0);
-    if (nfc > 1) issue(1);
-    if (S > 1) issue_ps(0);
-  }
   __syncwarp();
   mbar_wait(&full[0], 0);
   fence_regs(s);
@@ -225,6 +251,7 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   issue_scores(0);
   wg_wait<0>();
   fence_regs(s);
+  release_k(0);
   softmax(0);
   scale_rows(o, alpha);  // o starts from fwd_scan's output, relative to the initial m
   pack_frags<T, PK>(pa, s);
@@ -243,6 +270,7 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     issue_pv(c - 1);
     wg_wait<1>();  // S_c done; P V of chunk c - 1 may still run
     fence_regs(s);
+    release_k(c);
     softmax(c);
     wg_wait<0>();  // P V done: o and pa are ours again
     release(c - 1);
