@@ -4,11 +4,17 @@
 # libpathattn_capi.so and test_cuda into OUT_DIR/<patch name>/, then reverse the patch; the head's own build goes
 # to OUT_DIR/head/. The tree must have no uncommitted changes to the files the patches touch.
 #   dev/cuda/build_variants.sh build-cuda gpu-variants dev/cuda/patches/super_bwd_prefetch.patch [...]
+# A patch may carry macro settings after a colon, PATCH:MACRO=VALUE[,MACRO=VALUE]: each `#define MACRO ...` line
+# of the files it touches is set to VALUE for that build (the diagnostic switches of far_diag.patch; the variant
+# goes to OUT_DIR/<patch name>_MACRO_VALUE[_...]/):
+#   dev/cuda/build_variants.sh build-cuda diag dev/cuda/patches/far_diag.patch:PA_FAR_DIAG=4 \
+#     dev/cuda/patches/far_diag.patch:PA_QF_DIAG=1,PA_KF_DIAG=1
 # Then on the GPU machine: dev/cuda/ab_shapes.sh gpu-variants/head/libpathattn_capi.so gpu-variants/NAME/... or
-# python3 dev/cuda/timeline.py --lib gpu-variants/NAME/libpathattn_capi.so (per-kernel totals of one call).
+# python3 dev/cuda/timeline.py --lib gpu-variants/NAME/libpathattn_capi.so (per-kernel totals of one call), or
+# (diagnostic builds, whose results are wrong) the one-slice [profile] split of dev/cuda/shape.py --ws-limit-mib -1.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 BUILD_DIR OUT_DIR [PATCH ...]" >&2
+  echo "usage: $0 BUILD_DIR OUT_DIR [PATCH[:MACRO=VALUE,...] ...]" >&2
   exit 2
 fi
 build=$1 out=$2
@@ -23,12 +29,25 @@ collect() {  # $1: variant name
   echo "built $out/$1"
 }
 collect head
-for patch in "$@"; do
+for arg in "$@"; do
+  patch=${arg%%:*} settings=""
+  [ "$arg" != "$patch" ] && settings=${arg#*:}
   name=$(basename "$patch" .patch)
+  mapfile -t touched < <(git apply --numstat "$patch" | cut -f3)
   git apply "$patch"
-  trap 'git apply -R "$patch"' EXIT
+  # Reversing the patch needs the files as it left them: the settings are undone first (git checkout of the
+  # touched files would also do, but would drop other uncommitted work in them).
+  originals=$(mktemp -d)
+  for f in "${touched[@]}"; do mkdir -p "$originals/$(dirname "$f")" && cp "$f" "$originals/$f"; done
+  trap 'for f in "${touched[@]}"; do cp "$originals/$f" "$f"; done; git apply -R "$patch"; rm -rf "$originals"' EXIT
+  for kv in ${settings//,/ }; do
+    sed -i "s/^#define ${kv%%=*} .*/#define ${kv%%=*} ${kv#*=}/" "${touched[@]}"
+    name="${name}_${kv%%=*}_${kv#*=}"
+  done
   collect "$name"
+  for f in "${touched[@]}"; do cp "$originals/$f" "$f"; done
   git apply -R "$patch"
+  rm -rf "$originals"
   trap - EXIT
 done
 cmake --build "$build" -j "$(nproc)" --target pathattn_capi test_cuda > /dev/null  # back to the head's build
