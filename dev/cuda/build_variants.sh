@@ -28,6 +28,11 @@ collect() {  # $1: variant name
   [ -n "$test_bin" ] && cp "$test_bin" "$out/$1/"
   echo "built $out/$1"
 }
+restore() {  # the touched files as the patch left them, then the patch reversed
+  for f in "${touched[@]}"; do cp "$originals/$f" "$f"; done
+  git apply -R "$patch"
+  rm -rf "$originals"
+}
 collect head
 for arg in "$@"; do
   patch=${arg%%:*} settings=""
@@ -35,19 +40,16 @@ for arg in "$@"; do
   name=$(basename "$patch" .patch)
   mapfile -t touched < <(git apply --numstat "$patch" | cut -f3)
   git apply "$patch"
-  # Reversing the patch needs the files as it left them: the settings are undone first (git checkout of the
-  # touched files would also do, but would drop other uncommitted work in them).
+  # Reversing the patch needs the files as it left them: restore puts back copies taken before the settings.
   originals=$(mktemp -d)
   for f in "${touched[@]}"; do mkdir -p "$originals/$(dirname "$f")" && cp "$f" "$originals/$f"; done
-  trap 'for f in "${touched[@]}"; do cp "$originals/$f" "$f"; done; git apply -R "$patch"; rm -rf "$originals"' EXIT
+  trap restore EXIT
   for kv in ${settings//,/ }; do
     sed -i "s/^#define ${kv%%=*} .*/#define ${kv%%=*} ${kv#*=}/" "${touched[@]}"
     name="${name}_${kv%%=*}_${kv#*=}"
   done
   collect "$name"
-  for f in "${touched[@]}"; do cp "$originals/$f" "$f"; done
-  git apply -R "$patch"
-  rm -rf "$originals"
+  restore
   trap - EXIT
 done
 cmake --build "$build" -j "$(nproc)" --target pathattn_capi test_cuda > /dev/null  # back to the head's build

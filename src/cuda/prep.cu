@@ -249,13 +249,12 @@ template <typename T, int K>
 __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
   using S = PrepSmem<K>;
   extern __shared__ __align__(16) uint8_t prep_smem[];
-  uint8_t* const sm = prep_smem;
-  const PrepSet<T, K> set0(sm);
+  const PrepSet<T, K> set0(prep_smem);
   PA_PROBE(0);
   stage_prep_set<T, K>(p, int(blockIdx.x), set0);
   __syncthreads();
   PA_PROBE(1);
-  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, sm + S::set);
+  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set);
 }
 
 // M <- M P_c = M - (M W_c^T) W2_c for an MR x K block of rows of a fp32 matrix M in shared memory (leading
