@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/slicing.h"
@@ -161,13 +162,31 @@ int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
 // key side's: its extra launches per one-head slice).
 bool far_worth_it(const KernelParams& kp, const Tables& t) { return kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks; }
 
+// Tiles of the far kernels, most work first, and the tiles of equal work of one sequence next to each other
+// (chunk-table order among equals): the four tiles of a superblock read the same far key (query) stream, so
+// their CTAs, launched together, share it in L2. Sorted by chunk alone, a wave held one tile of each sequence
+// and each sequence's next tile a wave later, when L2 no longer held the stream: fwd_far at K = 128, T = 4k read
+// about 4.6 GB from DRAM for 3.8 GB of tiles (dev/cuda/NOTES.md v3.30).
+std::vector<int32_t> order_far_tiles(std::vector<int32_t> tiles, const std::vector<int>& work) {
+  std::vector<int32_t> idx(tiles.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = int32_t(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return work[size_t(a)] > work[size_t(b)]; });
+  std::vector<int32_t> out(tiles.size());
+  for (size_t i = 0; i < idx.size(); ++i) out[i] = tiles[size_t(idx[i])];
+  return out;
+}
+
 // Query tiles of the far kernels: two query chunks (an even chunk and the next) past their sequence's superblock
-// 0, most work first (in the scans' order).
+// 0; work: the superblocks they cross.
 std::vector<int32_t> far_query_tiles(const Tables& t) {
   std::vector<int32_t> tiles;
-  for (const int32_t i : t.order)
-    if (t.chunks[size_t(i)].c >= kSuperChunks && t.chunks[size_t(i)].c % 2 == 0) tiles.push_back(i);
-  return tiles;
+  std::vector<int> work;
+  for (size_t i = 0; i < t.chunks.size(); ++i)
+    if (t.chunks[i].c >= kSuperChunks && t.chunks[i].c % 2 == 0) {
+      tiles.push_back(int32_t(i));
+      work.push_back(t.chunks[i].c / kSuperChunks);
+    }
+  return order_far_tiles(std::move(tiles), work);
 }
 
 // Per-kernel timing for kernel work (PATHATTN_CUDA_PROFILE=1 in the environment): events between launches,
@@ -333,7 +352,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // The far parts on Hopper (bwd_q_far.cu, bwd_k_far.cu), where this build, the device and the call allow them.
   // Their parked states take the scratch too (they run between the scans, one at a time). Query side: tiles as
   // the forward's; key side: tiles of a superblock pair's two chunks whose sequence goes on past their
-  // superblock, lowest chunk (most work) first.
+  // superblock; work: the later superblocks.
   std::vector<int32_t> qfar_tiles, kfar_tiles;
   int qpark = 1, kpark = 1, qfar_grid = 0, kfar_grid = 0;
   const bool far = far_worth_it(kp, t);
@@ -342,13 +361,16 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kSuperChunks);
   }
   if (far && bwd_k_far_usable(kp)) {
-    for (auto i = t.order.rbegin(); i != t.order.rend(); ++i) {
-      const ChunkDesc& c = t.chunks[size_t(*i)];
+    std::vector<int> work;
+    for (size_t i = 0; i < t.chunks.size(); ++i) {
+      const ChunkDesc& c = t.chunks[i];
       const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kSuperChunks, sbk = c.c / kSuperChunks;
       if (c.c % 2 != 0 || last_sb <= sbk) continue;
-      kfar_tiles.push_back(*i);
+      kfar_tiles.push_back(int32_t(i));
+      work.push_back(last_sb - sbk);
       kpark = std::max(kpark, last_sb - sbk - 1);
     }
+    kfar_tiles = order_far_tiles(std::move(kfar_tiles), work);
   }
   // bwd_q / bwd_k park the states at earlier (later) superblocks' ends only where the far kernels do not take
   // those superblocks: with both far kernels, a CTA parks its own superblock's chunks alone.
