@@ -262,6 +262,14 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
     PA_CU(ws.alloc(&kp.lsefar, NT * pr.HQ));
     PA_TRY(upload_table(ws, far_tiles, &far_dev));
   }
+  // fwd_scan's CTAs of two query chunks (at K = 128): each even chunk, in the scans' order.
+  std::vector<int32_t> pairs;
+  int32_t* pairs_dev = nullptr;
+  if (fwd_scan_chunks_per_cta(int(pr.K)) == 2) {
+    for (const int32_t i : t.order)
+      if (t.chunks[size_t(i)].c % 2 == 0) pairs.push_back(i);
+    PA_TRY(upload_table(ws, pairs, &pairs_dev));
+  }
   if (ws.measuring()) return Status::Ok();
   Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
@@ -269,7 +277,7 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("gate+chunk_prep");
   PA_CU(launch_super_prep(kp, dt, s));
   prof.mark("super_prep");
-  PA_CU(launch_fwd_scan(kp, dt, s));
+  PA_CU(launch_fwd_scan(kp, pairs_dev, int(pairs.size()), dt, s));
   prof.mark("fwd_scan");
   if (!far_tiles.empty()) {
     PA_CU(launch_fwd_far(kp, far_dev, int(far_tiles.size()), dt, s));

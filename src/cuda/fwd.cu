@@ -13,7 +13,12 @@ namespace {
 // X = qt W^T and qt -= X W2 (fp16). Registers: qt (K/2) + O (V/2) + S (32) + X (32) floats per thread.
 // Two shared-memory stages of (k~, v) tiles: the next chunk loads while this one computes. One transport
 // region of 2 x 64 rows (K + 8 halves each): the chunk's w16 and w2h, loaded while the chunk's scores run, or
-// a superblock product PS (K rows). About 103 KB at K = V = 128: two CTAs per SM.
+// a superblock product PS (K rows). About 103 KB at K = V = 128.
+// NP query chunks a CTA (a warpgroup each): at K = 128 a CTA takes two (an even chunk c and c + 1), which read
+// the same key chunks below c, so that each tile loads once for both. One 128-thread chunk a CTA had been bound
+// by L2 throughput at K = 128 (ncu, T = 4k: L2 85%, the tile loads about 90% of it; dev/cuda/NOTES.md v3.30).
+// Chunk c + 1 meets chunk c first, alone (chunk c's warpgroup waits at the barriers). At K = 64 one chunk a CTA
+// (three CTAs an SM by registers; two chunks' A_loc would not fit the transport region).
 constexpr int kFwdThreads = 128;
 static_assert(kFwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
 
@@ -24,8 +29,12 @@ struct FwdSmem {
                                        size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
 };
 
-template <typename T, int K, int V>
-__global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_scan_kernel(KernelParams p) {
+template <int K>
+constexpr int fwd_chunks_per_cta() { return K == 128 ? 2 : 1; }
+
+template <typename T, int K, int V, int NP>
+__global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
+    fwd_scan_kernel(KernelParams p, const int32_t* items) {
   using S = FwdSmem<T, K, V>;
   constexpr int LK = S::LK, LV = S::LV;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -36,31 +45,41 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
   float* Gk = reinterpret_cast<float*>(W2s + kChunk * LK);
 
   const int item = blockIdx.x;
-  const ChunkDesc ch = p.chunks[p.order[item / p.HQ]];
+  const ChunkDesc ch = p.chunks[items[item / p.HQ]];  // the CTA's first query chunk
   const int hq = item % p.HQ, h = hq / p.group;
-  const int qc = ch.c, nq = min(kChunk, ch.len - qc * kChunk);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int wg = warp >> 2, wtid = threadIdx.x & (kFwdThreads - 1);  // warpgroup, thread within it
+  const int top = ch.c + NP - 1;                                      // the CTA's last query chunk
+  const int qc = ch.c + wg, nq = max(0, min(kChunk, ch.len - qc * kChunk));
   const int64_t seq_tok0 = ch.b * p.T + ch.t0;
   const int64_t tokq0 = seq_tok0 + int64_t(qc) * kChunk;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int rr[2] = {16 * warp + g, 16 * warp + g + 8};
+  const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};
   const float LOG2E = 1.4426950408889634f;
   const float sl2 = p.scale * LOG2E, gl2 = p.gate ? p.gate_scale * LOG2E : 0.f;
   const T* vp = static_cast<const T*>(p.v);
   const T* ktp = static_cast<const T*>(p.kt);
+  // With two warpgroups each loads half of every pair of tiles (the first warpgroup the first tile).
+  const bool load_a = NP == 1 || wg == 0, load_b = NP == 1 || wg == 1;
 
   // Superblocks: chunks [first, qc) are crossed one by one; chunks below `first` are read as ks and crossed
-  // a superblock at a time (PaTH only: plain attention has nothing to transport).
-  const int first = p.path ? (qc / kSuperChunks) * kSuperChunks : 0;
+  // a superblock at a time (PaTH only: plain attention has nothing to transport). The CTA's chunks share a
+  // superblock (kSuperChunks is even).
+  const int first = p.path ? (ch.c / kSuperChunks) * kSuperChunks : 0;
   // Split (p.ofar set): this kernel stops at the own superblock's start and fwd_far goes on from there.
   const bool split = p.ofar != nullptr && first > 0;
   const int stop = split ? first : 0;
   const T* ksp = static_cast<const T*>(p.ks);
-  auto load_chunk = [&](int kc, int st, int nvalid) {
+  // Key chunk kc into stage st: k~ (or ks) unless only its values are needed (a diagonal), v, the gate.
+  auto load_chunk = [&](int kc, int st, int nvalid, bool keys) {
     const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
     const int64_t pos = ch.t0 + int64_t(kc) * kChunk;
     const bool far = kc < first;
-    load_tile_async<K>(Ks + st * kChunk * LK, (far ? ksp : ktp) + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid);
-    load_tile_async<V>(Vs + st * kChunk * LV, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1], nvalid);
+    if (keys && load_a)
+      load_tile_async<K>(Ks + st * kChunk * LK, (far ? ksp : ktp) + (tok * p.H + h) * K, int64_t(p.H) * K, nvalid,
+                         wtid);
+    if (load_b)
+      load_tile_async<V>(Vs + st * kChunk * LV, vp + ch.b * p.v_s[0] + pos * p.v_s[1] + h * p.v_s[2], p.v_s[1],
+                         nvalid, wtid);
     cp_async_commit();
     for (int j = threadIdx.x; j < kChunk; j += blockDim.x)
       Gk[st * kChunk + j] = (p.gate && j < nvalid) ? p.G[(tok + j) * p.HQ + hq] : 0.f;
@@ -85,18 +104,23 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
 
-  // Diagonal chunk. Its A_loc rows (64 fp32 = 128 2-byte words a row, pitch 68 floats) are staged in the
-  // transport region, free until the loop's first barrier, with the chunk's keys and values.
+  // Diagonal chunks. Each warpgroup's A_loc rows (64 fp32 = 128 2-byte words a row, pitch 68 floats) are
+  // staged in the transport region, free until the loop's first barrier, with the values of the CTA's chunks
+  // (chunk kc in stage (top - kc) % 2; the keys of chunk c as well, which chunk c + 1 meets first).
   constexpr int LA = kChunk + 4;
-  static_assert(size_t(kChunk) * LA * 4 <= 2 * size_t(kChunk) * LK * sizeof(__half), "A_loc over Ws, W2s");
-  const float* As = reinterpret_cast<const float*>(Ws);
-  load_tile_async<2 * kChunk>(Ws, reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
-                              int64_t(p.HQ) * kChunk * 2, nq);
-  load_chunk(qc, 0, nq);
+  static_assert(NP * size_t(kChunk) * LA * 4 <= 2 * size_t(kChunk) * LK * sizeof(__half), "A_loc over Ws, W2s");
+  const float* As = reinterpret_cast<const float*>(Ws) + wg * kChunk * LA;
+  load_tile_async<2 * kChunk>(Ws + wg * kChunk * 2 * LA, reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
+                              int64_t(p.HQ) * kChunk * 2, nq, wtid);
+  load_chunk(top, 0, max(0, min(kChunk, ch.len - top * kChunk)), false);
+  if (NP == 2) load_chunk(ch.c, 1, max(0, min(kChunk, ch.len - ch.c * kChunk)), true);
   cp_async_wait_all();
   __syncthreads();
-  if (qc > stop) load_chunk(qc - 1, 1, kChunk);
+  if (NP == 1 && qc > stop) load_chunk(qc - 1, 1, kChunk, true);
   {
+    const int st = (top - qc) & 1;
+    const T* Vst = Vs + st * kChunk * LV;
+    const float* Gks = Gk + st * kChunk;
     float s[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -105,18 +129,19 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
         const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
         float val;
         if (r < nq) {
-          val = c <= r ? As[r * LA + c] * sl2 + Gq[e >> 1] - Gk[c] * gl2 : -INFINITY;
+          val = c <= r ? As[r * LA + c] * sl2 + Gq[e >> 1] - Gks[c] * gl2 : -INFINITY;
         } else {
           val = c == 0 ? 0.f : -INFINITY;  // padding rows: finite, never stored
         }
         s[nt][e] = val;
       }
     softmax_step(s, m, l, alpha);
-    warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vs, LV, 0);
+    warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
   }
-  // Key chunks right to left.
-  for (int kc = qc - 1; kc >= stop; --kc) {
-    const int st = (qc - kc) & 1;
+  // Key chunks right to left; a warpgroup takes part in those below its own chunk.
+  for (int kc = top - 1; kc >= stop; --kc) {
+    const int st = (top - kc) & 1;
+    const bool active = kc < qc;
     cp_async_wait_all();
     __syncthreads();
     // The transport region is free (the previous transport finished before the barrier). A chunk crossed
@@ -126,39 +151,44 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
     const bool cross_chunk = p.path && kc > 0 && !far;
     if (cross_chunk) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
-      load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
-      load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk);
+      if (load_a) load_tile_async<K>(Ws, p.w16 + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk, wtid);
+      if (load_b) load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk, wtid);
       cp_async_commit();
     }
     if (far && kc % kSuperChunks == kSuperChunks - 1 && kc >= kSuperChunks) {
       const __half* src = p.ps + (int64_t(ch.sfirst + kc / kSuperChunks) * p.H + h) * K * K;
-      for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, src + r0 * K, K, kChunk);
+      for (int r0 = (NP == 1 ? 0 : wg * kChunk); r0 < K; r0 += NP * kChunk)
+        load_tile_async<K>(Ws + r0 * LK, src + r0 * K, K, kChunk, wtid);
       cp_async_commit();
     }
-    if (kc > stop) load_chunk(kc - 1, st ^ 1, kChunk);
+    if (kc > stop) load_chunk(kc - 1, st ^ 1, kChunk, true);
     const T* Kst = Ks + st * kChunk * LK;
     const T* Vst = Vs + st * kChunk * LV;
     const float* Gks = Gk + st * kChunk;
-    float s[8][4];
-    zero_acc(s);
-    warp_mma_rs<T, K / 16, 8, false>(s, qt, 1.f, Kst, LK, 0);
+    if (active) {
+      float s[8][4];
+      zero_acc(s);
+      warp_mma_rs<T, K / 16, 8, false>(s, qt, 1.f, Kst, LK, 0);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gks[8 * nt + 2 * t4 + (e & 1)] * gl2;
-    softmax_step(s, m, l, alpha);
-    scale_rows(o, alpha);
-    warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
+        for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gks[8 * nt + 2 * t4 + (e & 1)] * gl2;
+      softmax_step(s, m, l, alpha);
+      scale_rows(o, alpha);
+      warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
+    }
     if (cross_chunk) {  // move the queries across chunk kc: qt <- qt (I - W^T W2)
       // w16 / w2h of chunk kc landed (the next k~, v, committed after them, may still be in flight; at a split
       // scan's last chunk nothing was committed after them)
       if (kc > stop) cp_async_wait_group<1>();
       else cp_async_wait_all();
       __syncthreads();
-      float x[8][4];
-      zero_acc(x);
-      warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
-      warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
+      if (active) {
+        float x[8][4];
+        zero_acc(x);
+        warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
+        warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
+      }
     } else if (far && kc > 0 && kc % kSuperChunks == 0) {  // across superblock kc / kSuperChunks: qt <- qt PS
       float y[K / 8][4];
       zero_acc(y);
@@ -189,17 +219,20 @@ __global__ void __launch_bounds__(kFwdThreads, K == 64 && V == 64 ? 3 : 1) fwd_s
 }
 
 template <typename T, int K, int V>
-cudaError_t fwd_t(const KernelParams& p, cudaStream_t s) {
-  return launch_with_smem(fwd_scan_kernel<T, K, V>, dim3(unsigned(int64_t(p.nchunks) * p.HQ)), kFwdThreads,
-                          FwdSmem<T, K, V>::bytes, s, p);
+cudaError_t fwd_t(const KernelParams& p, const int32_t* pairs, int npairs, cudaStream_t s) {
+  constexpr int NP = fwd_chunks_per_cta<K>();
+  const int32_t* items = NP == 1 ? p.order : pairs;
+  const int64_t n = NP == 1 ? p.nchunks : npairs;
+  return launch_with_smem(fwd_scan_kernel<T, K, V, NP>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
+                          FwdSmem<T, K, V>::bytes, s, p, items);
 }
 
 template <typename T>
-cudaError_t fwd_dispatch(const KernelParams& p, cudaStream_t s) {
-  if (p.K == 64 && p.V == 64) return fwd_t<T, 64, 64>(p, s);
-  if (p.K == 64 && p.V == 128) return fwd_t<T, 64, 128>(p, s);
-  if (p.K == 128 && p.V == 64) return fwd_t<T, 128, 64>(p, s);
-  return fwd_t<T, 128, 128>(p, s);
+cudaError_t fwd_dispatch(const KernelParams& p, const int32_t* pairs, int npairs, cudaStream_t s) {
+  if (p.K == 64 && p.V == 64) return fwd_t<T, 64, 64>(p, pairs, npairs, s);
+  if (p.K == 64 && p.V == 128) return fwd_t<T, 64, 128>(p, pairs, npairs, s);
+  if (p.K == 128 && p.V == 64) return fwd_t<T, 128, 64>(p, pairs, npairs, s);
+  return fwd_t<T, 128, 128>(p, pairs, npairs, s);
 }
 
 }  // namespace
@@ -210,8 +243,10 @@ size_t smem_fwd_scan(int K, int V) {
               kChunk * sizeof(float));
 }
 
-cudaError_t launch_fwd_scan(const KernelParams& p, int dtype, cudaStream_t s) {
-  return dtype == 0 ? fwd_dispatch<__half>(p, s) : fwd_dispatch<__nv_bfloat16>(p, s);
+int fwd_scan_chunks_per_cta(int K) { return K == 128 ? fwd_chunks_per_cta<128>() : fwd_chunks_per_cta<64>(); }
+
+cudaError_t launch_fwd_scan(const KernelParams& p, const int32_t* pairs, int npairs, int dtype, cudaStream_t s) {
+  return dtype == 0 ? fwd_dispatch<__half>(p, pairs, npairs, s) : fwd_dispatch<__nv_bfloat16>(p, pairs, npairs, s);
 }
 
 }  // namespace pathattn::cuda

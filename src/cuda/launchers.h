@@ -32,8 +32,11 @@ int super_bwd_rows(int K, int items, bool whole, int sms, int optin);
 cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s);
 // Per (sequence, query head): G = inclusive cumsum of g.
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);
-// Forward scan: per (query chunk, query head), keys right to left; writes o and lse.
-cudaError_t launch_fwd_scan(const KernelParams& p, int dtype, cudaStream_t s);
+// Forward scan: per (query chunk, query head), keys right to left; writes o and lse. At the head dims where
+// fwd_scan_chunks_per_cta(K) is 2, a CTA takes an even chunk and the next: `pairs` holds the even chunks' table
+// indices (most work first); elsewhere it takes p.order's chunks and `pairs` is not read.
+int fwd_scan_chunks_per_cta(int K);
+cudaError_t launch_fwd_scan(const KernelParams& p, const int32_t* pairs, int npairs, int dtype, cudaStream_t s);
 // Forward far part on sm_90a (fwd_far.cu), after fwd_scan with p.ofar set: per (tile of two query chunks past
 // their sequence's superblock 0, query head); `tiles` holds each tile's first (even) chunk's table index.
 // fwd_far_usable: this build and device run it and p's shapes and strides suit its TMA tiles.
