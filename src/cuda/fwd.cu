@@ -1,7 +1,7 @@
 // cuda/fwd.cu: the forward scan. One warpgroup per (query chunk, query head), one or two a CTA (below): the
-// diagonal chunk from the precomputed A_loc, then key chunks right to left with an online softmax. Two-level transport
-// (ALGORITHMS.md section 4): within the query's own superblock the query tile (fp32 in registers) is moved
-// across each chunk, qt <- qt - (qt W^T) W2; beyond it the keys come pre-moved to the end of their
+// diagonal chunk from the precomputed A_loc, then key chunks right to left with an online softmax. Two-level
+// transport (ALGORITHMS.md section 4): within the query's own superblock the query tile (fp32 in registers) is
+// moved across each chunk, qt <- qt - (qt W^T) W2; beyond it the keys come pre-moved to the end of their
 // superblock (ks) and the query crosses a whole superblock at once, qt <- qt PS (fp16 operands, fp32 accum).
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
