@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   constexpr int LA = kChunk + 4;
   static_assert(NP * size_t(kChunk) * LA * 4 <= 2 * size_t(kChunk) * LK * sizeof(__half), "A_loc over Ws, W2s");
   const float* As = reinterpret_cast<const float*>(Ws) + wg * kChunk * LA;
-  load_tile_async<2 * kChunk>(Ws + wg * kChunk * 2 * LA, reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
+  load_tile_async<2 * kChunk>(Ws + wg * kChunk * 2 * LA,
+                              reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
                               int64_t(p.HQ) * kChunk * 2, nq, wtid);
   load_chunk(top, 0, max(0, min(kChunk, ch.len - top * kChunk)), false);
   if (NP == 2) load_chunk(ch.c, 1, max(0, min(kChunk, ch.len - ch.c * kChunk)), true);
