@@ -14,11 +14,11 @@ namespace {
 // Two shared-memory stages of (k~, v) tiles: the next chunk loads while this one computes. One transport
 // region of 2 x 64 rows (K + 8 halves each): the chunk's w16 and w2h, loaded while the chunk's scores run, or
 // a superblock product PS (K rows). About 103 KB at K = V = 128.
-// NP query chunks a CTA (a warpgroup each): at K = 128 a CTA takes two (an even chunk c and c + 1), which read
-// the same key chunks below c, so that each tile loads once for both. One 128-thread chunk a CTA had been bound
-// by L2 throughput at K = 128 (ncu, T = 4k: L2 85%, the tile loads about 90% of it; dev/cuda/NOTES.md v3.30).
-// Chunk c + 1 meets chunk c first, alone (chunk c's warpgroup waits at the barriers). At K = 64 one chunk a CTA
-// (three CTAs an SM by registers; two chunks' A_loc would not fit the transport region).
+// NP query chunks a CTA (a warpgroup each, fwd_scan_chunks_per_cta): at K = 128 a CTA takes two (an even chunk c
+// and c + 1), which read the same key chunks below c, so that each tile loads once for both: half the tiles'
+// L2 traffic, -5% of this kernel (its latency, not L2, binds it; dev/cuda/NOTES.md v3.30). Chunk c + 1 meets
+// chunk c first, alone (chunk c's warpgroup waits at the barriers). At K = 64 one chunk a CTA (three CTAs an SM
+// by registers; two chunks' A_loc would not fit the transport region).
 constexpr int kFwdThreads = 128;
 static_assert(kFwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
 
@@ -28,9 +28,6 @@ struct FwdSmem {
   static constexpr size_t bytes = 2 * (size_t(kChunk) * LK * sizeof(T) + size_t(kChunk) * LV * sizeof(T) +
                                        size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
 };
-
-template <int K>
-constexpr int fwd_chunks_per_cta() { return K == 128 ? 2 : 1; }
 
 template <typename T, int K, int V, int NP>
 __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
@@ -221,7 +218,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
 
 template <typename T, int K, int V>
 cudaError_t fwd_t(const KernelParams& p, const int32_t* pairs, int npairs, cudaStream_t s) {
-  constexpr int NP = fwd_chunks_per_cta<K>();
+  constexpr int NP = fwd_scan_chunks_per_cta(K);
   const int32_t* items = NP == 1 ? p.order : pairs;
   const int64_t n = NP == 1 ? p.nchunks : npairs;
   return launch_with_smem(fwd_scan_kernel<T, K, V, NP>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
@@ -243,8 +240,6 @@ size_t smem_fwd_scan(int K, int V) {
   return 2 * (size_t(kChunk) * (K + 8) * 2 + size_t(kChunk) * (V + 8) * 2 + size_t(kChunk) * (K + 8) * 2 +
               kChunk * sizeof(float));
 }
-
-int fwd_scan_chunks_per_cta(int K) { return K == 128 ? fwd_chunks_per_cta<128>() : fwd_chunks_per_cta<64>(); }
 
 cudaError_t launch_fwd_scan(const KernelParams& p, const int32_t* pairs, int npairs, int dtype, cudaStream_t s) {
   return dtype == 0 ? fwd_dispatch<__half>(p, pairs, npairs, s) : fwd_dispatch<__nv_bfloat16>(p, pairs, npairs, s);

@@ -35,7 +35,7 @@ cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, 
 // Forward scan: per (query chunk, query head), keys right to left; writes o and lse. At the head dims where
 // fwd_scan_chunks_per_cta(K) is 2, a CTA takes an even chunk and the next: `pairs` holds the even chunks' table
 // indices (most work first); elsewhere it takes p.order's chunks and `pairs` is not read.
-int fwd_scan_chunks_per_cta(int K);
+constexpr int fwd_scan_chunks_per_cta(int K) { return K == 128 ? 2 : 1; }
 cudaError_t launch_fwd_scan(const KernelParams& p, const int32_t* pairs, int npairs, int dtype, cudaStream_t s);
 // Forward far part on sm_90a (fwd_far.cu), after fwd_scan with p.ofar set: per (tile of two query chunks past
 // their sequence's superblock 0, query head); `tiles` holds each tile's first (even) chunk's table index.
