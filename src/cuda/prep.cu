@@ -175,19 +175,24 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
       kFull.kmax_r(0).kmin_c(1));
   __syncthreads();
   PA_PROBE(5);
-  // k~ = K - U^T W, and the fp16 copies of W and W2.
-  T* ktp = static_cast<T*>(p.kt);
+  // k~ = K - U^T W, staged in R2 (E is not read any more; X takes R2 only after the heads' first barrier), then
+  // stored with the fp16 copies of W and W2: 8-byte row-contiguous stores, where the product's epilogue would
+  // store element pairs through 64-bit addresses of their own (v3.31 in dev/cuda/NOTES.md).
+  static_assert(sizeof(T) * kChunk * LT <= sizeof(float) * kChunk * LC, "chunk_prep: k~ staged in R2");
+  T* Kst = reinterpret_cast<T*>(R2);
   block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(
       [&](int r, int s) { return R1[s * LC + r]; }, [&](int s, int d) { return __half2float(Wh[s * LT + d]); },
       [&](int r, int d, float v, float u) {
-        if (r < nq)
-          *reinterpret_cast<uint32_t*>(ktp + ((tok0 + r) * p.H + h) * K + d) =
-              Pack2<T>::pack(to_f(Ks[r * LT + d]) - v, to_f(Ks[r * LT + d + 1]) - u);
+        *reinterpret_cast<uint32_t*>(Kst + r * LT + d) =
+            Pack2<T>::pack(to_f(Ks[r * LT + d]) - v, to_f(Ks[r * LT + d + 1]) - u);
       },
       kFull.kmin_r(1));
+  __syncthreads();
+  T* ktp = static_cast<T*>(p.kt);
   for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
     const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
+    *reinterpret_cast<uint2*>(ktp + o) = *reinterpret_cast<const uint2*>(Kst + r * LT + d);
     *reinterpret_cast<uint2*>(p.w16 + o) = *reinterpret_cast<const uint2*>(Wh + r * LT + d);
     *reinterpret_cast<uint2*>(p.w2h + o) = *reinterpret_cast<const uint2*>(W2h + r * LT + d);
   }
@@ -231,16 +236,21 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
                 make_float2(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
-    // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U].
+    // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U], staged in
+    // R2 (X is not read once the product's warps are past its barrier), then stored as 16-byte rows.
     block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false, kU>([&](int r, int k) { return to_f(Qc[r * LT + k]); },
         [&](int k, int c) { return to_f(Ks[c * LT + k]); }, [&](int r, int k) { return R2[r * LC + k]; },
         [&](int k, int c) { return -R1[k * LC + c]; },
         [&](int r, int c, float v, float u) {
-          if (r < nq)
-            *reinterpret_cast<float2*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
-                make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
+          *reinterpret_cast<float2*>(R2 + r * LC + c) = make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
         },
         kFull.out_lower(0), kFull.out_lower(0).kmax_r(0).kmin_c(1));
+    __syncthreads();
+    for (int idx = tid; idx < nq * (kChunk / 4); idx += blockDim.x) {
+      const int r = idx / (kChunk / 4), c = 4 * (idx % (kChunk / 4));
+      *reinterpret_cast<float4*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
+          *reinterpret_cast<const float4*>(R2 + r * LC + c);
+    }
   }
   PA_PROBE(9);
 }
