@@ -608,6 +608,29 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
   }
 }
 
+// acc += A B over this thread's outputs (TcTile's layout, no synchronisation) for 16-bit operands in shared memory
+// (type E): A stored [m][k] (leading dim lda), B stored [n][k] (ldb), both 16-byte aligned rows. m16n8k16 mma with
+// ldmatrix fragments, k over the warp's part of `span` in steps of 16: for products whose operands are the
+// inputs themselves (exact in E), where the tf32 path would load, convert and multiply them element by element.
+template <int M, int N, int KD, typename E>
+__device__ __forceinline__ void mma_tc_acc16(typename TcTile<M, N>::Acc& acc, const E* A, int lda, const E* B,
+                                             int ldb, KSpan span = kFull) {
+  using TT = TcTile<M, N>;
+  constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
+  static_assert(NTW % 2 == 0 && KD % 16 == 0, "mma_tc_acc16: n-tiles in pairs, k in steps of 16");
+  int wm, wn;
+  TT::coords(threadIdx.x >> 5, wm, wn);
+  int klo, khi;
+  span.range(16 * wm, 16 * (wm + WM * (MPW - 1)) + 16, 8 * wn * NTW, 8 * (wn + 1) * NTW, KD, klo, khi);
+  klo &= ~15;
+  khi = (khi + 15) & ~15;
+  if (khi <= klo) return;
+#pragma unroll
+  for (int mi = 0; mi < MPW; ++mi)
+    warp_mma_ss<E, 1, NTW, false, false>(*reinterpret_cast<float(*)[1][NTW][4]>(&acc[mi]), A + klo, lda,
+                                         16 * (wm + WM * mi), B + klo, ldb, 8 * wn * NTW, khi - klo);
+}
+
 // out2(r, c, v, w) with v, w the sums sum_k a1(r, k) b1(k, c') + sum_k a2(r, k) b2(k, c') at c' = c and c + 1 (c
 // even), for every pair of outputs: a product over a stacked inner dimension [A1 | A2] [B1 ; B2] as two passes
 // into one accumulator (no per-element select between the halves); pairs of columns, so that an epilogue can

@@ -236,15 +236,22 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
                 make_float2(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
-    // A_loc = tril_incl(Q K^T - X U): one product over the stacked inner dimension [Q | X] [K ; -U], staged in
-    // R2 (X is not read once the product's warps are past its barrier), then stored as 16-byte rows.
-    block_mm_tc2_pairs<kChunk, kChunk, K, kChunk, false, kU>([&](int r, int k) { return to_f(Qc[r * LT + k]); },
-        [&](int k, int c) { return to_f(Ks[c * LT + k]); }, [&](int r, int k) { return R2[r * LC + k]; },
-        [&](int k, int c) { return -R1[k * LC + c]; },
-        [&](int r, int c, float v, float u) {
-          *reinterpret_cast<float2*>(R2 + r * LC + c) = make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
-        },
-        kFull.out_lower(0), kFull.out_lower(0).kmax_r(0).kmin_c(1));
+    // A_loc = tril_incl(Q K^T - X U): two passes into one accumulator, Q K^T on 16-bit mma (q and k are exact in
+    // T), X U in tf32; staged in R2 (X is not read once every warp is past the barrier), then stored as 16-byte
+    // rows.
+    {
+      using TA = TcTile<kChunk, kChunk>;
+      typename TA::Acc acc;
+      TA::zero(acc);
+      mma_tc_acc16<kChunk, kChunk, K>(acc, Qc, LT, Ks, LT, kFull.out_lower(0));
+      mma_tc_acc<kChunk, kChunk, kChunk, false, kU>(acc, [&](int r, int k) { return R2[r * LC + k]; },
+                                                    [&](int k, int c) { return -R1[k * LC + c]; },
+                                                    kFull.out_lower(0).kmax_r(0).kmin_c(1));
+      __syncthreads();
+      TA::each_pair(acc, [&](int r, int c, float& v, float& u) {
+        *reinterpret_cast<float2*>(R2 + r * LC + c) = make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
+      });
+    }
     __syncthreads();
     for (int idx = tid; idx < nq * (kChunk / 4); idx += blockDim.x) {
       const int r = idx / (kChunk / 4), c = 4 * (idx % (kChunk / 4));
@@ -284,10 +291,12 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 
 // Per (full superblock, kv head, block of RB rows of M): walks the superblock's chunks from the last
 // down with the running product M = P_last ... P_{c+1}: ks_c = k~_c M^T, then M <- M P_c = M - (M W_c^T) W2_c
-// with the fp16 W, W2 of the chunk (the same operands the scans transport with; tf32 mma, fp32 accumulation).
-// Rows of M evolve apart (right products) and row n of M gives column n of ks_c, so each warp owns 16 rows of
-// M in registers (C layout, fp32), steps them as bwd_k steps its key adjoint (M <- M - (M W^T) W2), and computes
-// its 16 columns of ks_c as M_rows k~_c^T (warp_mma_rr_tf32): no CTA barrier inside a chunk step, one per
+// with the fp16 W, W2 of the chunk (the same operands the scans transport with, fp32 accumulation). Rows of M
+// evolve apart (right products) and row n of M gives column n of ks_c, so each warp owns 16 rows of M in
+// registers (C layout, fp32), steps them on fp16 mma with M and y = M W^T rounded to fp16 as operands (as
+// fwd_scan steps its queries: their entries are bounded by 1 for unit w and beta in [0, 2], and fp16 keeps tf32's
+// 10-bit mantissa), and computes its 16 columns of ks_c as M_rows k~_c^T in tf32 (warp_mma_rr_tf32: k~ is in the
+// input type, which M would have to share on a 16-bit mma): no CTA barrier inside a chunk step, one per
 // step for the chunk tiles (two sets, the next chunk's loading by cp.async while this chunk's products run).
 // An item may run as K / RB CTAs of RB / 16 warps (super_rows): the chain is serial (8 chunk steps an item),
 // and a call with few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle,
@@ -386,7 +395,7 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     zero_acc(ks);
     zero_acc(y);
     warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
-    warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(y, M, Ws + c0k, LT, 0);
+    warp_mma_rs<__half, KH / 16, kChunk / 8, false>(y, M, 1.f, Ws + c0k, LT, 0);
     if constexpr (kSplit == 2) exchange(ks, y);
 #pragma unroll
     for (int nt = 0; nt < kChunk / 8; ++nt) {
@@ -397,10 +406,8 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
           ksp[((t0 + r) * p.H + h) * K + j] = from_f<T>(ks[nt][e]);
         }
       }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
     }
-    warp_mma_rr_tf32<kChunk / 8, KH / 8, true>(M, y, W2s + c0k, LT, 0);
+    warp_mma_rs<__half, kChunk / 16, KH / 8, true>(M, y, -1.f, W2s + c0k, LT, 0);
   }
   __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
 #pragma unroll
