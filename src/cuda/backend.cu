@@ -36,7 +36,8 @@ struct Tables {
   int max_chunks = 0;
 };
 
-Tables build_tables(const core::Problem& pr) {
+// sc: chunks per superblock (KernelParams::sc).
+Tables build_tables(const core::Problem& pr, int sc) {
   Tables t;
   for (const core::Seq& s : pr.seqs) {
     const int nc = int((s.len + kChunk - 1) / kChunk);
@@ -46,8 +47,8 @@ Tables build_tables(const core::Problem& pr) {
     for (int c = 0; c < nc; ++c) t.chunks.push_back({s.b, s.t0, int32_t(s.len), c, first, sfirst});
     // Superblocks that some later query reaches across (sb ends before the sequence does): a query in
     // superblock a uses the keys and products of superblocks sb < a only, so the last one never counts.
-    const int64_t super_len = int64_t(kSuperChunks) * kChunk;
-    for (int sb = 0; (sb + 1) * super_len < s.len; ++sb) t.super_first.push_back(first + sb * kSuperChunks);
+    const int64_t super_len = int64_t(sc) * kChunk;
+    for (int sb = 0; (sb + 1) * super_len < s.len; ++sb) t.super_first.push_back(first + sb * sc);
   }
   t.order.resize(t.chunks.size());
   for (size_t i = 0; i < t.order.size(); ++i) t.order[i] = int32_t(i);
@@ -160,7 +161,7 @@ int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
 // superblocks: with at most one far superblock per query the split costs more than it saves (BENCH.md shapes at
 // T = 1k, K = 128: forward 3.86 -> 4.28 ms; forward+backward at the default limit 22.24 -> 22.71 ms with the
 // key side's: its extra launches per one-head slice).
-bool far_worth_it(const KernelParams& kp, const Tables& t) { return kp.nsuper > 0 && t.max_chunks > 2 * kSuperChunks; }
+bool far_worth_it(const KernelParams& kp, const Tables& t) { return kp.nsuper > 0 && t.max_chunks > 2 * kp.sc; }
 
 // Tiles of the far kernels, most work first, and the tiles of equal work of one sequence next to each other
 // (chunk-table order among equals): the four tiles of a superblock read the same far key (query) stream, so
@@ -178,13 +179,13 @@ std::vector<int32_t> order_far_tiles(std::vector<int32_t> tiles, const std::vect
 
 // Query tiles of the far kernels: two query chunks (an even chunk and the next) past their sequence's superblock
 // 0; work: the superblocks they cross.
-std::vector<int32_t> far_query_tiles(const Tables& t) {
+std::vector<int32_t> far_query_tiles(const Tables& t, int sc) {
   std::vector<int32_t> tiles;
   std::vector<int> work;
   for (size_t i = 0; i < t.chunks.size(); ++i)
-    if (t.chunks[i].c >= kSuperChunks && t.chunks[i].c % 2 == 0) {
+    if (t.chunks[i].c >= sc && t.chunks[i].c % 2 == 0) {
       tiles.push_back(int32_t(i));
-      work.push_back(t.chunks[i].c / kSuperChunks);
+      work.push_back(t.chunks[i].c / sc);
     }
   return order_far_tiles(std::move(tiles), work);
 }
@@ -229,13 +230,30 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 namespace {
 
+// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than four superblocks
+// of kSuperChunks (2048 tokens), else kSuperChunks. Up to there the own superblock's chains of bwd_q and bwd_k
+// (serial in chunks) cost more than what the far kernels take over from them; beyond, the far kernels' extra
+// crossings cost more (dev/cuda/NOTES.md v3.33). The backward recomputes the forward's workspace, so its
+// superblocks need not be the forward's. PATHATTN_CUDA_BWD_SUPER_CHUNKS (4 or 8) overrides the choice, for
+// kernel work.
+int bwd_super_chunks(const core::Problem& pr) {
+  if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
+    const int v = std::atoi(e);
+    if (v == kSuperChunks || v == kSuperChunksShort) return v;
+  }
+  int64_t longest = 0;
+  for (const core::Seq& s : pr.seqs) longest = std::max(longest, int64_t(s.len));
+  return longest <= int64_t(4) * kSuperChunks * kChunk ? kSuperChunksShort : kSuperChunks;
+}
+
 // One forward over the whole of p / pr (a slice of the call): allocates its workspace from ws and, unless
 // ws is measuring, launches the kernels.
 Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
-  const Tables t = build_tables(pr);
+  const Tables t = build_tables(pr, kSuperChunks);
   KernelParams kp{};
+  kp.sc = kSuperChunks;  // fwd.cu and fwd_far.cu take it as a constant
   fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
   kp.o = p.o.data;
   strides3(p.o, kp.o_s);
@@ -251,7 +269,7 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   // The far part on Hopper (fwd_far.cu), where this build, the device and the call's shapes allow it.
   std::vector<int32_t> far_tiles;
-  if (far_worth_it(kp, t) && fwd_far_usable(kp)) far_tiles = far_query_tiles(t);
+  if (far_worth_it(kp, t) && fwd_far_usable(kp)) far_tiles = far_query_tiles(t, kp.sc);
   int32_t* far_dev = nullptr;
   if (!far_tiles.empty()) {
     const size_t NT = size_t(pr.B) * pr.T;
@@ -290,8 +308,9 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
 Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
-  const Tables t = build_tables(pr);
   KernelParams kp{};
+  kp.sc = bwd_super_chunks(pr);
+  const Tables t = build_tables(pr, kp.sc);
   fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
   kp.o = const_cast<void*>(p.o.data);
   strides3(p.o, kp.o_s);
@@ -331,7 +350,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
   PA_TRY(alloc_super(ws, kp, t, pr));  // ks: in the shared piece below
-  // Superblock-backward grid: one CTA per SM, each with a scratch of kSuperChunks x sb_rows x K floats.
+  // Superblock-backward grid: one CTA per SM, each with a scratch of sc x sb_rows x K floats.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
     int sms = 0, optin = 0;
@@ -365,14 +384,14 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   int qpark = 1, kpark = 1, qfar_grid = 0, kfar_grid = 0;
   const bool far = far_worth_it(kp, t);
   if (far && bwd_q_far_usable(kp)) {
-    qfar_tiles = far_query_tiles(t);
-    for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kSuperChunks);
+    qfar_tiles = far_query_tiles(t, kp.sc);
+    for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kp.sc);
   }
   if (far && bwd_k_far_usable(kp)) {
     std::vector<int> work;
     for (size_t i = 0; i < t.chunks.size(); ++i) {
       const ChunkDesc& c = t.chunks[i];
-      const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kSuperChunks, sbk = c.c / kSuperChunks;
+      const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kp.sc, sbk = c.c / kp.sc;
       if (c.c % 2 != 0 || last_sb <= sbk) continue;
       kfar_tiles.push_back(int32_t(i));
       work.push_back(last_sb - sbk);
@@ -382,8 +401,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   // bwd_q / bwd_k park the states at earlier (later) superblocks' ends only where the far kernels do not take
   // those superblocks: with both far kernels, a CTA parks its own superblock's chunks alone.
-  kp.scratch_slots = !qfar_tiles.empty() && !kfar_tiles.empty() ? kSuperChunks
-                                                                  : scratch_slot_count(kp.max_chunks, pr.path);
+  kp.scratch_slots =
+      !qfar_tiles.empty() && !kfar_tiles.empty() ? kp.sc : scratch_slot_count(kp.max_chunks, pr.path, kp.sc);
   size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
   int32_t *qfar_dev = nullptr, *kfar_dev = nullptr;
   if (!qfar_tiles.empty()) {
@@ -425,7 +444,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   const size_t dvk_off = kfar && HQ != H ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
   const size_t scratch_off = l2.add(scratch_elems * sizeof(__half));
   const size_t sscr_off =
-      l2.at(dkt_on_dvdiag ? after_dvdiag : 0, size_t(sb_grid) * kSuperChunks * sb_rows * K * sizeof(float));
+      l2.at(dkt_on_dvdiag ? after_dvdiag : 0, size_t(sb_grid) * kp.sc * sb_rows * K * sizeof(float));
   char *b1 = nullptr, *b2 = nullptr;
   PA_CU(ws.alloc(&b1, l1.bytes));
   PA_CU(ws.alloc(&b2, l2.bytes));

@@ -73,9 +73,9 @@ struct BwdK {
     cp_async_commit();
     // Two-level: query chunks of the key's own superblock are met chunk by chunk; later superblocks a meet
     // the key at their start, with qhat (queries moved to their superblock's start), one dense step each.
-    const int sbk = kc / kSuperChunks, last_sb = last / kSuperChunks;
+    const int sbk = kc / p.sc, last_sb = last / p.sc;
     const bool far = p.path && last_sb > sbk;
-    const int lastl = far ? sbk * kSuperChunks + kSuperChunks - 1 : last;
+    const int lastl = far ? sbk * p.sc + p.sc - 1 : last;
     auto park = [&](const float (&kt)[K / 8][4], int slot) {
       store_tile<T, K>(scratch + size_t(slot) * kChunk * K, K, kt);
     };
@@ -84,7 +84,7 @@ struct BwdK {
       for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
     };
     // ---- pass 1: kt^(qc) for qc = kc+1 .. lastl into slot qc - kc - 1; then the key at the start of each
-    // later superblock a into slot kSuperChunks + a.
+    // later superblock a into slot p.sc + a.
     {
       float kt[K / 8][4];
 #pragma unroll
@@ -127,7 +127,7 @@ struct BwdK {
       }
       if (far && !p.kfar) {
         for (int a = sbk + 1; a <= last_sb; ++a) {
-          park(kt, kSuperChunks + a);
+          park(kt, p.sc + a);
           if (a == last_sb) break;
           __syncthreads();
           load_ps(a);
@@ -286,9 +286,9 @@ struct BwdK {
     } else if (far) {
       for (int a = last_sb; a > sbk; --a) {
         __syncthreads();
-        load_tile_async<K>(Ss, scratch + size_t(kSuperChunks + a) * kChunk * K, K, kChunk);
+        load_tile_async<K>(Ss, scratch + size_t(p.sc + a) * kChunk * K, K, kChunk);
         if (a < last_sb) load_ps(a);
-        const int qend = min(last, a * kSuperChunks + kSuperChunks - 1);
+        const int qend = min(last, a * p.sc + p.sc - 1);
         stage_queries(qend, h * p.group, true, qb0);  // with the superblock's loads: one wait
         cp_async_commit();
         cp_async_wait_all();
@@ -306,7 +306,7 @@ struct BwdK {
           // Pipelined: item n = (chunk qend - n / group, head n % group) is scored from buffer n & 1 while
           // item n + 1 loads into the other (its scalars fetched into registers, stored after the scoring).
           __syncthreads();  // every warp is done with PS_a (buffer 1's tiles)
-          const int nit = (qend - a * kSuperChunks + 1) * p.group;
+          const int nit = (qend - a * p.sc + 1) * p.group;
           for (int n = 0; n < nit; ++n) {
             const QBuf cur = qbuf(n & 1), nxt = qbuf((n & 1) ^ 1);
             RowScalars sc{};
@@ -322,7 +322,7 @@ struct BwdK {
             __syncthreads();
           }
         } else {
-          for (int qc = qend; qc >= a * kSuperChunks; --qc) query_chunk(qc, Ss, true, qc == qend);
+          for (int qc = qend; qc >= a * p.sc; --qc) query_chunk(qc, Ss, true, qc == qend);
         }
       }
       // h is now the gradient w.r.t. the key moved to its superblock's end, from the far queries.

@@ -108,21 +108,21 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   for (int it = blockIdx.x; it < nitems; it = take_item(mp.next, &next_item, int(gridDim.x))) {
     const int h = it % p.H;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
-    const int kc = ch.c, sbk = kc / kSuperChunks;
-    const int last = (ch.len + kChunk - 1) / kChunk - 1, last_sb = last / kSuperChunks;
+    const int kc = ch.c, sbk = kc / p.sc;
+    const int last = (ch.len + kChunk - 1) / kChunk - 1, last_sb = last / p.sc;
     const int n1 = last_sb - sbk - 1;  // superblock crossings of pass 1 (and of pass 2)
     const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokk0 = seq_tok0 + int64_t(kc) * kChunk;
     // Query items of pass 2: superblocks last_sb .. sbk + 1, chunks from the last, heads of the group.
-    const int n_last = last - last_sb * kSuperChunks + 1;
-    const int nit = (n_last + kSuperChunks * (last_sb - sbk - 1)) * p.group;
+    const int n_last = last - last_sb * p.sc + 1;
+    const int nit = (n_last + p.sc * (last_sb - sbk - 1)) * p.group;
     auto sb_of = [&](int j) {
       const int c = j / p.group;
-      return c < n_last ? last_sb : last_sb - 1 - (c - n_last) / kSuperChunks;
+      return c < n_last ? last_sb : last_sb - 1 - (c - n_last) / p.sc;
     };
     auto chunk_of = [&](int j) {
       const int c = j / p.group;
-      return c < n_last ? last - c : (last_sb - 1 - (c - n_last) / kSuperChunks) * kSuperChunks + kSuperChunks - 1 -
-                                         (c - n_last) % kSuperChunks;
+      return c < n_last ? last - c : (last_sb - 1 - (c - n_last) / p.sc) * p.sc + p.sc - 1 -
+                                         (c - n_last) % p.sc;
     };
     // Producer (thread 0): the superblock product of crossing i (pass 1: PS_{sbk+1+i}; pass 2: PS_{last_sb-1-(i-n1)}),
     // once the previous one was released.
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // time (bkw0: as fast there, without bkw's spills).
     constexpr bool kOverlap = K == 64;
     auto item_begin = [&](int a) {
-      return a == last_sb ? 0 : (n_last + kSuperChunks * (last_sb - 1 - a)) * p.group;
+      return a == last_sb ? 0 : (n_last + p.sc * (last_sb - 1 - a)) * p.group;
     };
     auto wait_item = [&](int j) {  // thread 0 issues item j + 1 first
       if (threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);

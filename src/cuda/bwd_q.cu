@@ -121,8 +121,8 @@ struct BwdQ {
     __syncthreads();  // the previous item is done with shared memory
     // ---- pass 1: qt_kc for kc = qc-1 .. first into slot kc - first (fp16, [64][K]); then (two-level) qhat,
     // the queries at their superblock's start, and qt_sb at the end of each earlier superblock sb into
-    // slot kSuperChunks + sb (scratch_slot_count).
-    const int sbq = qc / kSuperChunks, first = p.path ? sbq * kSuperChunks : 0;
+    // slot p.sc + sb (scratch_slot_count).
+    const int sbq = qc / p.sc, first = p.path ? sbq * p.sc : 0;
     if (p.qfar == 1 && first == 0) return;  // qhat only: none here
     {
       float qt[K / 8][4];
@@ -189,7 +189,7 @@ struct BwdQ {
             *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = Pack2<T>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
         }
         for (int sb = sbq - 1; sb >= 0 && p.qfar == 0; --sb) {
-          park(kSuperChunks + sb);
+          park(p.sc + sb);
           if (sb == 0) break;
           __syncthreads();
           const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
@@ -418,7 +418,7 @@ struct BwdQ {
       for (int sb = 0; sb < sbq; ++sb) {
         __syncthreads();
         if (sb > 0) stage_gbar(gb);
-        load_tile_async<K>(Qh, scratch + size_t(kSuperChunks + sb) * kChunk * K, K, kChunk);
+        load_tile_async<K>(Qh, scratch + size_t(p.sc + sb) * kChunk * K, K, kChunk);
         if (sb > 0) {
           const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
           for (int r0 = 0; r0 < K; r0 += kChunk) load_tile_async<K>(Ws + r0 * LK, ps + r0 * K, K, kChunk);
@@ -448,14 +448,14 @@ struct BwdQ {
           auto vbuf = [&](int st) { return st ? reinterpret_cast<T*>(W2s) : Vs; };
           auto gbuf = [&](int st) { return st ? Gk2 : Gk; };
           __syncthreads();
-          load_keys(ksp, sb * kSuperChunks, Ks, Vs, Gk);
+          load_keys(ksp, sb * p.sc, Ks, Vs, Gk);
           cp_async_commit();
           cp_async_wait_all();
           __syncthreads();
-          for (int j = 0; j < kSuperChunks; ++j) {
+          for (int j = 0; j < p.sc; ++j) {
             const int cur = j & 1;
-            if (j + 1 < kSuperChunks) {
-              load_keys(ksp, sb * kSuperChunks + j + 1, kbuf(cur ^ 1), vbuf(cur ^ 1), gbuf(cur ^ 1));
+            if (j + 1 < p.sc) {
+              load_keys(ksp, sb * p.sc + j + 1, kbuf(cur ^ 1), vbuf(cur ^ 1), gbuf(cur ^ 1));
               cp_async_commit();
             }
             float ds[8][4];
@@ -465,9 +465,9 @@ struct BwdQ {
             __syncthreads();
           }
         } else {
-          for (int j = 0; j < kSuperChunks; ++j) {
+          for (int j = 0; j < p.sc; ++j) {
             __syncthreads();
-            load_keys(ksp, sb * kSuperChunks + j, Ks, Vs, Gk);
+            load_keys(ksp, sb * p.sc + j, Ks, Vs, Gk);
             cp_async_commit();
             cp_async_wait_all();
             __syncthreads();
@@ -518,7 +518,7 @@ struct BwdQ {
       // Across chunk kc: dP_kc += qt_kc^T gbar (before gbar's step below).
       if (kc > 0)
         add_outer(Qs, Gs, dPbase + int64_t(kc) * p.H * K * K, tk_p ? tk_p + int64_t(kc) * p.H : nullptr,
-                  rank_after(p.path ? min(kc / kSuperChunks * kSuperChunks + kSuperChunks - 1, nc - 1) : nc - 1));
+                  rank_after(p.path ? min(kc / p.sc * p.sc + p.sc - 1, nc - 1) : nc - 1));
       __syncthreads();  // Gs (gb under Ks / Vs, or over Qc, Qh) and Qs read by every warp
       if constexpr (!S::pf) {
         load_keys(ktp, kc, Ks, Vs, Gk);

@@ -89,10 +89,10 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   for (int it = blockIdx.x; it < nitems; it = take_item(mp.next, &next_item, int(gridDim.x))) {
     const int hq = it % p.HQ, h = hq / p.group;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.HQ]];
-    const int S = ch.c / kSuperChunks, n1 = S - 1;  // earlier superblocks; crossings of each pass
+    const int S = ch.c / p.sc, n1 = S - 1;  // earlier superblocks; crossings of each pass
     const int qc = ch.c + wg, nq = max(0, min(kChunk, ch.len - qc * kChunk));
     const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
-    const int nfc = S * kSuperChunks;  // far key chunks, the sequence's chunks 0 .. nfc - 1
+    const int nfc = S * p.sc;  // far key chunks, the sequence's chunks 0 .. nfc - 1
     auto issue_ps = [&](int i) {  // thread 0: crossing i's product (pass 1: PS_{S-1-i}; pass 2: PS_{1+i-n1})
       const int a = i < n1 ? S - 1 - i : 1 + (i - n1);
       ps.load<K>(&mp.ps, int((int64_t(ch.sfirst + a) * p.H + h) * K));
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       }
       // The superblock's 8 key chunks: S / dP of chunk c issued with gq += dS ks of chunk c - 1 (the first chunk
       // peeled: a wgmma under a branch makes ptxas serialize them all).
-      const int c0 = sb * kSuperChunks;
+      const int c0 = sb * p.sc;
       auto wait_chunk = [&](int c) {  // thread 0 issues chunk c + 1 first
         if (threadIdx.x == 0 && c + 1 < nfc) issue_c(c + 1);
         __syncwarp();
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       fence_regs(s, dp);
       ds();
       pack_frags<T, 4>(dsa, s);
-      for (int c = c0 + 1; c < c0 + kSuperChunks; ++c) {
+      for (int c = c0 + 1; c < c0 + p.sc; ++c) {
         const uint32_t n = n_c + uint32_t(c);
         wait_chunk(c);
         issue_sdp(n);
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         fence_regs(gq, dsa);
         pack_frags<T, 4>(dsa, s);
       }
-      const uint32_t nl = n_c + uint32_t(c0 + kSuperChunks - 1);
+      const uint32_t nl = n_c + uint32_t(c0 + p.sc - 1);
       fence_regs(gq, dsa);
       wg_fence();
       issue_gq(nl);

@@ -12,16 +12,19 @@ namespace pathattn::cuda {
 // Chunk size C of the UT transform and the query/key tile of every kernel. 64 rows make one mma tile of
 // 4 warps x 16 rows, and keep the fp32 chunk kernels within the shared memory of an A100 at K = 128.
 inline constexpr int kChunk = 64;
-// Chunks per superblock of the forward's two-level scan (ALGORITHMS.md section 4): keys beyond the query's
-// own superblock are pre-moved to the end of their superblock and the query crosses a whole superblock
-// with one dense K x K product.
+// Chunks per superblock of the two-level scan (ALGORITHMS.md section 4): keys beyond the query's own
+// superblock are pre-moved to the end of their superblock and the query crosses a whole superblock with one
+// dense K x K product. The forward always uses kSuperChunks (fwd.cu and fwd_far.cu take it as a constant); the
+// backward's kernels read the call's p.sc: kSuperChunksShort where no sequence is longer than 2048 tokens
+// (bwd_super_chunks in backend.cu, dev/cuda/NOTES.md v3.33), else kSuperChunks.
 inline constexpr int kSuperChunks = 8;
+inline constexpr int kSuperChunksShort = 4;
 
 // Slots of C x K snapshots in each backward CTA's scratch. With the transport, a work item parks at most
-// kSuperChunks states within its own superblock (slots 0 .. kSuperChunks - 1, by distance in chunks) and one
-// per other superblock (slot kSuperChunks + superblock index); without it, one per chunk of the sequence.
-inline int scratch_slot_count(int max_chunks, bool path) {
-  return path ? kSuperChunks + (max_chunks + kSuperChunks - 1) / kSuperChunks : max_chunks;
+// sc states within its own superblock (slots 0 .. sc - 1, by distance in chunks) and one per other superblock
+// (slot sc + superblock index); without it, one per chunk of the sequence.
+inline int scratch_slot_count(int max_chunks, bool path, int sc) {
+  return path ? sc + (max_chunks + sc - 1) / sc : max_chunks;
 }
 
 // One chunk of one sequence. Token index tok = b * T + t0 + c * kChunk + r addresses the workspace.
@@ -40,6 +43,8 @@ struct KernelParams {
   int nchunks;      // entries of the chunk table
   int max_chunks;   // most chunks of any one sequence
   int scratch_slots;  // C x K snapshots per CTA in `scratch` (scratch_slot_count)
+  int sc;             // chunks per superblock: kSuperChunks in the forward, kSuperChunks or kSuperChunksShort in
+                      // the backward
   bool path, gate;
   float scale, gate_scale;
 
@@ -64,7 +69,7 @@ struct KernelParams {
   // Chunk table (device) and the order in which the scan kernels take chunks (most work first).
   const ChunkDesc* chunks;
   const int32_t* order;
-  // Superblocks a later query of the same sequence reaches across (each is kSuperChunks complete chunks):
+  // Superblocks a later query of the same sequence reaches across (each is sc complete chunks):
   // the chunk-table index of each one's first chunk. A sequence's are consecutive, from its superblock 0.
   const int32_t* super_first;
   int nsuper;
@@ -99,7 +104,7 @@ struct KernelParams {
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
   float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
-  float* sscr;      // [grid, kSuperChunks, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
+  float* sscr;      // [grid, sc, rows, K] per-CTA scratch of super_bwd (rows = super_rows)
   bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
   int qfar;         // the query side split around bwd_q_far: 0 no split; 1 bwd_q writes qhat only; 2 bwd_q runs
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)

@@ -374,10 +374,10 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
   for (int nt = 0; nt < KH / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) M[nt][e] = row0 + 8 * (e >> 1) == c0k + 8 * nt + 2 * t4 + (e & 1) ? 1.f : 0.f;
-  issue(kSuperChunks - 1, 0);
-  for (int c = kSuperChunks - 1; c >= 0; --c) {
+  issue(p.sc - 1, 0);
+  for (int c = p.sc - 1; c >= 0; --c) {
     const int64_t t0 = tok0 + int64_t(c) * kChunk;
-    const int set = (kSuperChunks - 1 - c) & 1;
+    const int set = (p.sc - 1 - c) & 1;
     const T* Kt = reinterpret_cast<const T*>(sets + set * S::tiles);
     const __half* Ws = reinterpret_cast<const __half*>(Kt + kChunk * LT);
     const __half* W2s = Ws + kChunk * LT;
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
 }
 
 // Backward of the superblock products, per (full superblock, kv head) and block of MR rows (super_rows; all
-// K rows in deterministic mode); persistent grid, per-CTA scratch of kSuperChunks blocks of its rows of M
+// K rows in deterministic mode); persistent grid, per-CTA scratch of p.sc blocks of its rows of M
 // (fp32). With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and the far keys ks_c = k~_c M_c^T, the
 // gradients dPS (query side) and dks (key side) reach the chunk products as
 //   dP_c += M_c^T R_c,   R_0 = dPS,   R_{c+1} = R_c P_c^T + dks_c^T k~_c
@@ -449,13 +449,13 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   uint8_t* sets = reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
   auto kt_of = [&](int st) { return reinterpret_cast<T*>(sets + st * S::set); };
   auto w_of = [&](int st) { return reinterpret_cast<__half*>(kt_of(st) + kChunk * LT); };  // W2 follows W
-  float* Msc = p.sscr + size_t(blockIdx.x) * kSuperChunks * MR * K;
+  float* Msc = p.sscr + size_t(blockIdx.x) * p.sc * MR * K;
   const T* ktp = static_cast<const T*>(p.kt);
   const int tid = threadIdx.x;
-  // An item's chunk tiles in the order they are used, load i: pass 1's chunks kSuperChunks - 1 .. 1 (W, W2), then
-  // pass 2's 0 .. kSuperChunks - 2 (W, W2, k~); load i in set i & 1 with the prefetch, else in set 0.
-  constexpr int kPass1 = kSuperChunks - 1, kLoads = 2 * kPass1;
-  auto chunk_of = [](int i) { return i < kPass1 ? kPass1 - i : i - kPass1; };
+  // An item's chunk tiles in the order they are used, load i: pass 1's chunks p.sc - 1 .. 1 (W, W2), then
+  // pass 2's 0 .. p.sc - 2 (W, W2, k~); load i in set i & 1 with the prefetch, else in set 0.
+  const int kPass1 = p.sc - 1, kLoads = 2 * kPass1;
+  auto chunk_of = [kPass1](int i) { return i < kPass1 ? kPass1 - i : i - kPass1; };
   auto set_of = [](int i) { return S::kPrefetch ? (i & 1) : 0; };
   static_assert(kPrepThreads >= 3 * kTileThreads, "super_bwd: one thread group per tile");
 
@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     __syncthreads();
     if constexpr (S::kPrefetch) issue(0);
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
-    for (int c = kSuperChunks - 1; c >= 0; --c) {
+    for (int c = p.sc - 1; c >= 0; --c) {
       __syncthreads();
       float* Mc = Msc + size_t(c) * MR * K;
       for (int idx = tid; idx < MR * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
@@ -516,11 +516,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     __syncthreads();
     const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
-    for (int c = 0; c < kSuperChunks; ++c) {
+    for (int c = 0; c < p.sc; ++c) {
       __syncthreads();
       const int i = kPass1 + c;
       if constexpr (S::kPrefetch) {
-        if (c < kSuperChunks - 1) {
+        if (c < p.sc - 1) {
           issue_dks(c);
           if (i + 1 < kLoads) issue(i + 1);
         }
@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
                                     [&](int k, int n) { return Rf[k * LM + n]; });
         red_add_tile<K, K>(dP, K, acc);
       }
-      if (c == kSuperChunks - 1) break;
+      if (c == p.sc - 1) break;
       wait_load(i);
       __syncthreads();
       const T* Kt = kt_of(set_of(i));
