@@ -115,6 +115,39 @@ def ref_fp64(q, k, v, w, beta, g, scale=None):
     return o.transpose(1, 2)
 
 
+def ref_fp64_grads(q, k, v, w, beta, g, do, scale=None):
+    """o and the gradients (dq, dk, dv, dw, dbeta, dg) of PaTH in fp64 by brute force and autograd: the same
+    transport as ref_fp64, written out of place (each step makes the moved rows anew) so autograd can walk it."""
+    B, T, HQ, K = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    scale = scale if scale is not None else K ** -0.5
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, w, beta)]
+    gl = g.detach().double().requires_grad_() if g is not None else None
+    q64, k64, v64, w64, b64 = leaves
+    qd = q64.transpose(1, 2)
+    kd, vd, wd = (x.repeat_interleave(G, dim=2).transpose(1, 2) for x in (k64, v64, w64))
+    bd = b64.repeat_interleave(G, dim=2).transpose(1, 2)
+    cols = []
+    moved = None  # rows j + 1 .. T - 1 of the queries, moved back to position j + 1
+    for j in range(T - 1, -1, -1):
+        tail = qd[:, :, j:j + 1, :] if moved is None else torch.cat([qd[:, :, j:j + 1, :], moved], dim=2)
+        col = (tail * kd[:, :, j, None, :]).sum(-1)  # logits of rows j .. T - 1 against key j
+        cols.append(F.pad(col, (j, 0), value=float("-inf")))
+        if j > 0:
+            c = (tail * wd[:, :, j, None, :]).sum(-1, keepdim=True) * bd[:, :, j, None, None]
+            moved = tail - c * wd[:, :, j, None, :]
+    logits = torch.stack(cols[::-1], dim=-1)  # [B, HQ, T (query), T (key)]
+    s = logits * scale
+    if gl is not None:
+        Gc = gl.transpose(1, 2).cumsum(-1)
+        s = s + scale * (Gc[..., :, None] - Gc[..., None, :])
+    o = (torch.softmax(s, dim=-1) @ vd).transpose(1, 2)
+    o.backward(do.double())
+    grads = [x.grad for x in leaves] + [gl.grad if gl is not None else None]
+    return o.detach(), grads
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -161,29 +194,40 @@ def main():
                  f"Command: `bench/gpu_bench.py{shown_flags()}` (scripts/gpu_suite.sh runs it). bf16, causal, B*T = 32768 tokens per call, "
                  f"median of triton do_bench. Ratios > 1 mean slower than the reference.\n")
 
-    # ---- accuracy against fp64 (BENCH.md: ours must be no worse than FLA on the same inputs).
+    # ---- accuracy against fp64 (BENCH.md: ours must be no worse than FLA on the same inputs): o and every
+    # gradient, relative L2 against fp64 brute force (autograd through the transport), ours / FLA.
     acc_cases = [] if args.extra_only else [(512, 64, False), (512, 64, True), (2048, 128, False), (2048, 128, True)]
+    names = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
     if acc_cases:
-        lines.append("## Accuracy (bf16 o, relative L2 against fp64 brute force)\n")
-        lines.append("| T | K | gate | ours | FLA |")
-        lines.append("|---|---|---|---|---|")
+        lines.append("## Accuracy (bf16, relative L2 against fp64 brute force; each cell ours / FLA)\n")
+        lines.append("B = 1, HQ = H = 2, beta ~ U(0, 2), unit w, q, k, v, dO ~ N(0, 1); gradients from one backward "
+                     "with that dO (FLA: torch autograd through parallel_path_attn).\n")
+        lines.append("| T | K | gate | " + " | ".join(names) + " |")
+        lines.append("|" + "---|" * (3 + len(names)))
     for T, K, gate in acc_cases:
         q, k, v, w, beta, g, do = make_inputs(1, T, 2, 2, K, K, gate, seed=T + K)
-        ref = ref_fp64(q, k, v, w, beta, g)
-        o = torch.empty_like(q[..., :K])
-        lse = torch.empty(1, T, 2, device="cuda", dtype=torch.float32)
+        ref_o, ref_g = ref_fp64_grads(q, k, v, w, beta, g, do)
+        o, lse, *ours_g = make_outputs(q, k, v, w, beta, g)
         ours_fwd(q, k, v, w, beta, g, o, lse)
-        e_ours = rel(o, ref)
-        e_fla = float("nan")
+        ours_bwd(q, k, v, w, beta, g, o, lse, do, *ours_g)
+        torch.cuda.synchronize()
+        e_ours = [rel(o, ref_o)] + [rel(a, b) if b is not None else None for a, b in zip(ours_g, ref_g)]
+        e_fla = [float("nan")] * len(names)
         if parallel_path_attn is not None:
             try:
-                of, _ = parallel_path_attn(q, k, v, w, beta, g=g)
-                e_fla = rel(of, ref)
+                xs = [x.detach().requires_grad_() for x in (q, k, v, w, beta)]
+                gg = g.detach().requires_grad_() if g is not None else None
+                of, _ = parallel_path_attn(*xs, g=gg)
+                of.backward(do)
+                fla_g = [x.grad for x in xs] + [gg.grad if gg is not None else None]
+                e_fla = [rel(of, ref_o)] + [rel(a, b) if b is not None else None for a, b in zip(fla_g, ref_g)]
             except Exception as ex:  # noqa: BLE001
                 print("FLA failed:", ex)
-        lines.append(f"| {T} | {K} | {gate} | {e_ours:.2e} | {e_fla:.2e} |")
+        cells = [f"{a:.2e} / {b:.2e}" if a is not None else "-" for a, b in zip(e_ours, e_fla)]
+        lines.append(f"| {T} | {K} | {gate} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-        del ref
+        del ref_o, ref_g
+        torch.cuda.empty_cache()
 
     # ---- speed.
     lines.append("\n## Speed (ms; ratio = time / time of cuDNN or FLA)\n")
