@@ -36,6 +36,14 @@ struct Tables {
   int max_chunks = 0;
 };
 
+// Whether some sequence of pr is longer than four superblocks of kSuperChunks (2048 tokens): the backward's
+// superblock size (bwd_super_chunks) and a deterministic backward's stream count (run_sliced) turn on it.
+bool longer_than_four_superblocks(const core::Problem& pr) {
+  for (const core::Seq& s : pr.seqs)
+    if (s.len > int64_t(4) * kSuperChunks * kChunk) return true;
+  return false;
+}
+
 // sc: chunks per superblock (KernelParams::sc).
 Tables build_tables(const core::Problem& pr, int sc) {
   Tables t;
@@ -241,9 +249,7 @@ int bwd_super_chunks(const core::Problem& pr) {
     const int v = std::atoi(e);
     if (v == kSuperChunks || v == kSuperChunksShort) return v;
   }
-  int64_t longest = 0;
-  for (const core::Seq& s : pr.seqs) longest = std::max(longest, int64_t(s.len));
-  return longest <= int64_t(4) * kSuperChunks * kChunk ? kSuperChunksShort : kSuperChunks;
+  return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
 }
 
 // One forward over the whole of p / pr (a slice of the call): allocates its workspace from ws and, unless
@@ -251,9 +257,9 @@ int bwd_super_chunks(const core::Problem& pr) {
 Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
-  const Tables t = build_tables(pr, kSuperChunks);
   KernelParams kp{};
   kp.sc = kSuperChunks;  // fwd.cu and fwd_far.cu take it as a constant
+  const Tables t = build_tables(pr, kp.sc);
   fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
   kp.o = p.o.data;
   strides3(p.o, kp.o_s);
@@ -619,11 +625,7 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   // 4k 25.8 -> 25.7, 8k 37.5 -> 35.8, 16k 74.5 -> 57.0 (T = 1k: 18.7 -> 19.5, 16.4 -> 16.8).
   int max_lanes = kMaxLanes;
   if constexpr (std::is_same_v<P, PathBwdParams>) {
-    if (p.deterministic) {
-      int64_t longest = 0;
-      for (const core::Seq& q : pr.seqs) longest = std::max(longest, q.len);
-      if (longest > 4 * kSuperChunks * kChunk) max_lanes = 1;
-    }
+    if (p.deterministic && longer_than_four_superblocks(pr)) max_lanes = 1;
   }
   const bool batch_ok = !p.cu_seqlens.present();
   core::LanePlan plan = core::plan_lanes(pr, batch_ok, limit, max_lanes, cost);

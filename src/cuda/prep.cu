@@ -454,8 +454,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   const int tid = threadIdx.x;
   // An item's chunk tiles in the order they are used, load i: pass 1's chunks p.sc - 1 .. 1 (W, W2), then
   // pass 2's 0 .. p.sc - 2 (W, W2, k~); load i in set i & 1 with the prefetch, else in set 0.
-  const int kPass1 = p.sc - 1, kLoads = 2 * kPass1;
-  auto chunk_of = [kPass1](int i) { return i < kPass1 ? kPass1 - i : i - kPass1; };
+  const int pass1 = p.sc - 1, loads = 2 * pass1;
+  auto chunk_of = [pass1](int i) { return i < pass1 ? pass1 - i : i - pass1; };
   auto set_of = [](int i) { return S::kPrefetch ? (i & 1) : 0; };
   static_assert(kPrepThreads >= 3 * kTileThreads, "super_bwd: one thread group per tile");
 
@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       const int grp = tid / kTileThreads, gt = tid % kTileThreads;
       if (grp == 0) load_tile_async<K>(w, p.w16 + row, stride, kChunk, gt);
       else if (grp == 1) load_tile_async<K>(w + kChunk * LT, p.w2h + row, stride, kChunk, gt);
-      else if (grp == 2 && i >= kPass1) load_tile_async<K>(kt_of(set_of(i)), ktp + row, stride, kChunk, gt);
+      else if (grp == 2 && i >= pass1) load_tile_async<K>(kt_of(set_of(i)), ktp + row, stride, kChunk, gt);
       cp_async_commit();
     };
     auto issue_dks = [&](int c) {  // prefetch: chunk c's dks rows (fp32) by cp.async, committed
@@ -487,13 +487,13 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     // prefetch the copies were issued a step earlier, and the next load is in flight.
     auto wait_load = [&](int i) {
       if constexpr (S::kPrefetch) {
-        if (i + 1 < kLoads) cp_async_wait_group<1>();
+        if (i + 1 < loads) cp_async_wait_group<1>();
         else cp_async_wait_all();
       } else {
         const int64_t t0 = tok0 + int64_t(chunk_of(i)) * kChunk;
         stage_tiles4<K>(ws_src<K>(p.w16, p.H), 0, h, w_of(0), LT, ws_src<K>(p.w2h, p.H), 0, h, w_of(0) + kChunk * LT,
                         LT, t0, kChunk);
-        if (i >= kPass1)
+        if (i >= pass1)
           stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, kt_of(0), LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM, t0, kChunk);
       }
     };
@@ -506,8 +506,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       float* Mc = Msc + size_t(c) * MR * K;
       for (int idx = tid; idx < MR * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
       if (c == 0) break;
-      const int i = kPass1 - c;
-      if constexpr (S::kPrefetch) issue(i + 1);  // i + 1 <= kPass1: pass 2's first load last
+      const int i = pass1 - c;
+      if constexpr (S::kPrefetch) issue(i + 1);  // i + 1 <= pass1: pass 2's first load last
       wait_load(i);
       __syncthreads();
       right_mul_chunk_product<MR, K, LM, LY, LT>(Rf, Yf, w_of(set_of(i)), w_of(set_of(i)) + kChunk * LT);
@@ -518,11 +518,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
     for (int c = 0; c < p.sc; ++c) {
       __syncthreads();
-      const int i = kPass1 + c;
+      const int i = pass1 + c;
       if constexpr (S::kPrefetch) {
         if (c < p.sc - 1) {
           issue_dks(c);
-          if (i + 1 < kLoads) issue(i + 1);
+          if (i + 1 < loads) issue(i + 1);
         }
       }
       const float* Mc = Msc + size_t(c) * MR * K;
