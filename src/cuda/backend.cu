@@ -341,6 +341,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     strides3(p.dg, kp.dg_s);
   }
   kp.deterministic = p.deterministic;
+  // The gate's column sums of dS: from bwd_q, beside its row sums of the same dS (atomics), so that the two cancel
+  // as in exact arithmetic; the deterministic mode keeps bwd_k's fixed-order sums of its own dS^T (dg's error
+  // about 1.5x larger; dev/cuda/NOTES.md v3.34). PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums, for kernel work.
+  kp.dgq = pr.gate && !p.deterministic && std::getenv("PATHATTN_CUDA_DG_SPLIT") == nullptr;
 
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));

@@ -240,7 +240,7 @@ struct BwdK {
       }
       warp_mma_rs<T, 4, V / 8, true>(dv, st[0], 1.f, b.dout, LV, 0);
       warp_mma_rs<T, 4, K / 8, true>(hk, dpt[0], p.scale, b.q, LK, 0);
-      if (p.gate) {
+      if (p.gate && !p.dgq) {
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           float a = csum[hr];

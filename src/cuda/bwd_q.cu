@@ -361,8 +361,8 @@ struct BwdQ {
       return reinterpret_cast<const T*>(Qd);
     };
     // One key chunk (tiles Kb, Vb, gate column terms Gb) against the query tile Qop: ds = P * (dP - delta),
-    // gate row sums.
-    auto scores = [&](const T* Qop, const T* Kb, const T* Vb, const float* Gb, float (&ds)[8][4]) {
+    // gate row sums and, with p.dgq, the gate column sums of key tokens ktok.. (atomics into dgcol).
+    auto scores = [&](const T* Qop, const T* Kb, const T* Vb, const float* Gb, float (&ds)[8][4], int64_t ktok) {
       float s[1][8][4], dp[1][8][4];
       zero_acc(s);
       zero_acc(dp);
@@ -379,6 +379,25 @@ struct BwdQ {
           ds[nt][e] = pr * (dp[0][nt][e] - dl[e >> 1]);
           rs[e >> 1] += ds[nt][e];
         }
+      if (p.dgq) {  // per warp over its 16 rows, then one add a column
+        float cs[8][2];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) cs[nt][j] = ds[nt][j] + ds[nt][2 + j];
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) cs[nt][j] += __shfl_xor_sync(0xffffffffu, cs[nt][j], o);
+        if (g == 0)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              atomicAdd(p.dgcol + (ktok + 8 * nt + 2 * t4 + j) * p.HQ + hq, -gs * cs[nt][j]);
+      }
     };
     // gbar += scale dS keys (own rows).
     auto add_local = [&](const float (&ds)[8][4], const T* Kb) {
@@ -459,7 +478,7 @@ struct BwdQ {
               cp_async_commit();
             }
             float ds[8][4];
-            scores(Qop, kbuf(cur), vbuf(cur), gbuf(cur), ds);
+            scores(Qop, kbuf(cur), vbuf(cur), gbuf(cur), ds, seq_tok0 + int64_t(sb * p.sc + j) * kChunk);
             add_local(ds, kbuf(cur));
             cp_async_wait_all();
             __syncthreads();
@@ -472,7 +491,7 @@ struct BwdQ {
             cp_async_wait_all();
             __syncthreads();
             float ds[8][4];
-            scores(Qop, Ks, Vs, Gk, ds);
+            scores(Qop, Ks, Vs, Gk, ds, seq_tok0 + int64_t(sb * p.sc + j) * kChunk);
             add_local(ds, Ks);
           }
         }
@@ -537,7 +556,7 @@ struct BwdQ {
         }
       }
       float ds[8][4];
-      scores(Qop, Ks, Vs, Gk, ds);
+      scores(Qop, Ks, Vs, Gk, ds, tok);
       if (kc > 0) {
         warp_chunk_step<K>(gq, W2s, Ws, LK);  // gbar <- gbar P_kc^T = gbar - (gbar W2^T) W
       }
