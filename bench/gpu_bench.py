@@ -89,60 +89,38 @@ def make_outputs(q, k, v, w, beta, g):
     return (o, lse, *grads, torch.empty_like(g) if g is not None else None)
 
 
-def ref_fp64(q, k, v, w, beta, g, scale=None):
-    """o of PaTH in fp64 by brute force: the queries are moved one Householder step at a time (SPEC.md)."""
+def ref_fp64(q, k, v, w, beta, g, do=None, scale=None):
+    """o of PaTH in fp64 by brute force (SPEC.md): the queries are moved one Householder step at a time, each step
+    making the moved rows anew (out of place) so that autograd can walk it. With do: (o, [dq, dk, dv, dw, dbeta,
+    dg]) by autograd (dg None without g); else o alone, without the graph."""
     B, T, HQ, K = q.shape
     H = k.shape[2]
     G = HQ // H
     scale = scale if scale is not None else K ** -0.5
-    qd = q.double().transpose(1, 2)
-    kd = k.double().repeat_interleave(G, dim=2).transpose(1, 2)
-    vd = v.double().repeat_interleave(G, dim=2).transpose(1, 2)
-    wd = w.double().repeat_interleave(G, dim=2).transpose(1, 2)
-    bd = beta.double().repeat_interleave(G, dim=2).transpose(1, 2)
-    logits = torch.full((B, HQ, T, T), float("-inf"), dtype=torch.float64, device=q.device)
-    qt = qd.clone()
-    for j in range(T - 1, -1, -1):
-        logits[:, :, j:, j] = (qt[:, :, j:, :] * kd[:, :, j, None, :]).sum(-1)
-        if j > 0:
-            c = (qt[:, :, j:, :] * wd[:, :, j, None, :]).sum(-1, keepdim=True) * bd[:, :, j, None, None]
-            qt[:, :, j:, :] -= c * wd[:, :, j, None, :]
-    s = logits * scale
-    if g is not None:
-        Gc = g.double().transpose(1, 2).cumsum(-1)
-        s = s + scale * (Gc[..., :, None] - Gc[..., None, :])
-    o = torch.softmax(s, dim=-1) @ vd
-    return o.transpose(1, 2)
-
-
-def ref_fp64_grads(q, k, v, w, beta, g, do, scale=None):
-    """o and the gradients (dq, dk, dv, dw, dbeta, dg) of PaTH in fp64 by brute force and autograd: the same
-    transport as ref_fp64, written out of place (each step makes the moved rows anew) so autograd can walk it."""
-    B, T, HQ, K = q.shape
-    H = k.shape[2]
-    G = HQ // H
-    scale = scale if scale is not None else K ** -0.5
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, w, beta)]
-    gl = g.detach().double().requires_grad_() if g is not None else None
-    q64, k64, v64, w64, b64 = leaves
-    qd = q64.transpose(1, 2)
-    kd, vd, wd = (x.repeat_interleave(G, dim=2).transpose(1, 2) for x in (k64, v64, w64))
-    bd = b64.repeat_interleave(G, dim=2).transpose(1, 2)
-    cols = []
-    moved = None  # rows j + 1 .. T - 1 of the queries, moved back to position j + 1
-    for j in range(T - 1, -1, -1):
-        tail = qd[:, :, j:j + 1, :] if moved is None else torch.cat([qd[:, :, j:j + 1, :], moved], dim=2)
-        col = (tail * kd[:, :, j, None, :]).sum(-1)  # logits of rows j .. T - 1 against key j
-        cols.append(F.pad(col, (j, 0), value=float("-inf")))
-        if j > 0:
-            c = (tail * wd[:, :, j, None, :]).sum(-1, keepdim=True) * bd[:, :, j, None, None]
-            moved = tail - c * wd[:, :, j, None, :]
-    logits = torch.stack(cols[::-1], dim=-1)  # [B, HQ, T (query), T (key)]
-    s = logits * scale
-    if gl is not None:
-        Gc = gl.transpose(1, 2).cumsum(-1)
-        s = s + scale * (Gc[..., :, None] - Gc[..., None, :])
-    o = (torch.softmax(s, dim=-1) @ vd).transpose(1, 2)
+    with torch.set_grad_enabled(do is not None):
+        leaves = [x.detach().double().requires_grad_(do is not None) for x in (q, k, v, w, beta)]
+        gl = g.detach().double().requires_grad_(do is not None) if g is not None else None
+        q64, k64, v64, w64, b64 = leaves
+        qd = q64.transpose(1, 2)
+        kd, vd, wd = (x.repeat_interleave(G, dim=2).transpose(1, 2) for x in (k64, v64, w64))
+        bd = b64.repeat_interleave(G, dim=2).transpose(1, 2)
+        cols = []
+        moved = None  # rows j + 1 .. T - 1 of the queries, moved back to position j + 1
+        for j in range(T - 1, -1, -1):
+            tail = qd[:, :, j:j + 1, :] if moved is None else torch.cat([qd[:, :, j:j + 1, :], moved], dim=2)
+            col = (tail * kd[:, :, j, None, :]).sum(-1)  # logits of rows j .. T - 1 against key j
+            cols.append(F.pad(col, (j, 0), value=float("-inf")))
+            if j > 0:
+                c = (tail * wd[:, :, j, None, :]).sum(-1, keepdim=True) * bd[:, :, j, None, None]
+                moved = tail - c * wd[:, :, j, None, :]
+        logits = torch.stack(cols[::-1], dim=-1)  # [B, HQ, T (query), T (key)]
+        s = logits * scale
+        if gl is not None:
+            Gc = gl.transpose(1, 2).cumsum(-1)
+            s = s + scale * (Gc[..., :, None] - Gc[..., None, :])
+        o = (torch.softmax(s, dim=-1) @ vd).transpose(1, 2)
+    if do is None:
+        return o
     o.backward(do.double())
     grads = [x.grad for x in leaves] + [gl.grad if gl is not None else None]
     return o.detach(), grads
@@ -206,7 +184,7 @@ def main():
         lines.append("|" + "---|" * (3 + len(names)))
     for T, K, gate in acc_cases:
         q, k, v, w, beta, g, do = make_inputs(1, T, 2, 2, K, K, gate, seed=T + K)
-        ref_o, ref_g = ref_fp64_grads(q, k, v, w, beta, g, do)
+        ref_o, ref_g = ref_fp64(q, k, v, w, beta, g, do)
         o, lse, *ours_g = make_outputs(q, k, v, w, beta, g)
         ours_fwd(q, k, v, w, beta, g, o, lse)
         ours_bwd(q, k, v, w, beta, g, o, lse, do, *ours_g)
