@@ -341,9 +341,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     strides3(p.dg, kp.dg_s);
   }
   kp.deterministic = p.deterministic;
-  // The gate's column sums of dS: from bwd_q, beside its row sums of the same dS (atomics), so that the two cancel
-  // as in exact arithmetic; the deterministic mode keeps bwd_k's fixed-order sums of its own dS^T (dg's error
-  // about 1.5x larger; dev/cuda/NOTES.md v3.34). PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums, for kernel work.
+  // The gate's column sums of dS: from the query side (bwd_q, bwd_q_far), beside its row sums of the same dS
+  // (atomics), so that the two cancel as in exact arithmetic; the deterministic mode keeps bwd_k's fixed-order sums
+  // of its own dS^T (dg's error about 1.5x larger; dev/cuda/NOTES.md v3.34) and, with the gate, no far kernels.
+  // PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums (and so no far kernels with the gate), for kernel work.
   kp.dgq = pr.gate && !p.deterministic && std::getenv("PATHATTN_CUDA_DG_SPLIT") == nullptr;
 
   int32_t* seq_first = nullptr;
@@ -392,7 +393,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // superblock; work: the later superblocks.
   std::vector<int32_t> qfar_tiles, kfar_tiles;
   int qpark = 1, kpark = 1, qfar_grid = 0, kfar_grid = 0;
-  const bool far = far_worth_it(kp, t);
+  // With the gate, only where some sequence is longer than four superblocks (2048 tokens): measured (f+b with
+  // the gate, ms, far kernels / bwd_q and bwd_k alone) K = 64 T = 1k 13.73 / 13.37, 4k 24.17 / 24.08, 16k 60.5 /
+  // 66.9; K = 128 T = 1k 13.87 / 13.81, 4k 23.27 / 25.01, 16k 57.8 / 69.2 (dev/cuda/NOTES.md v3.35).
+  const bool far = far_worth_it(kp, t) && (!pr.gate || longer_than_four_superblocks(pr));
   if (far && bwd_q_far_usable(kp)) {
     qfar_tiles = far_query_tiles(t, kp.sc);
     for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kp.sc);

@@ -11,7 +11,8 @@
 // h at the own superblock's end is dks (bwd_k's far result), and bwd_k (with p.kfar) continues from dks and
 // dv. Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full
 // / empty mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, built below). Every output row
-// has one owner: deterministic. Not for the gate (bwd_k keeps those calls whole).
+// has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
+// keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
 #include <algorithm>
 #include <cstdint>
 
@@ -46,7 +47,7 @@ struct KfSmem {
   static constexpr size_t bytes = 1024 + 2 * kt + kKfStages * 2 * q + size_t(K) * K * 2 + kKfStages * lsd + 8 * 16;
 };
 
-template <typename T, int K>
+template <typename T, int K, bool kGate>
 __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_constant__ KernelParams p,
                                                                   const __grid_constant__ KfMaps mp, int nitems) {
 #ifdef PA_SM90A
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   __syncthreads();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
-  const float sl2 = p.scale * 1.4426950408889634f;
+  const float sl2 = p.scale * 1.4426950408889634f, gl2 = kGate ? p.gate_scale * 1.4426950408889634f : 0.f;
   T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kKfKeys * K;
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kKfKeys;
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
@@ -213,12 +214,18 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     };
     auto pds = [&](uint32_t n) {  // P^T into s, scale dS^T into dp (columns are query rows)
       const float2* l2 = Ls + (n % kKfStages) * kChunk;
+      float gk[2] = {0.f, 0.f};  // the keys' gate terms for item n's query head
+      if constexpr (kGate) {
+        const int hq = h * p.group + int(n - n_q) % p.group;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) gk[hr] = __ldg(p.G + (tokk0 + 16 * warp + g + 8 * hr) * p.HQ + hq) * gl2;
+      }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float2 bd = l2[8 * nt + 2 * t4 + (e & 1)];
-          const float pr = fast_exp2(s[nt][e] * sl2 - bd.x);
+          const float pr = fast_exp2(s[nt][e] * sl2 - bd.x - gk[e >> 1]);
           s[nt][e] = pr;
           dp[nt][e] = p.scale * pr * (dp[nt][e] - bd.y);
         }
@@ -329,29 +336,34 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #endif
 }
 
-// lsd[hq][ci][r] = (lse * log2(e), delta) of query row r of chunk ci, head hq; (+inf, 0) past the sequence, so
-// that P = 0 there. One CTA of 64 threads per (chunk, query head).
+// lsd[hq][ci][r] = ((lse - gate_scale G) * log2(e), delta) of query row r of chunk ci, head hq (G: the gate's
+// cumsum, without the gate 0); (+inf, 0) past the sequence, so that P = 0 there. One CTA of 64 threads per (chunk,
+// query head).
 __global__ void build_lsd_kernel(const KernelParams p, float2* lsd) {
   const int ci = int(blockIdx.x / p.HQ), hq = int(blockIdx.x % p.HQ), r = threadIdx.x;
   const ChunkDesc ch = p.chunks[ci];
   const int64_t pos = ch.t0 + int64_t(ch.c) * kChunk + r, tok = ch.b * p.T + pos;
   float2 v = make_float2(INFINITY, 0.f);
   if (ch.c * kChunk + r < ch.len)
-    v = make_float2(p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * 1.4426950408889634f,
+    v = make_float2((p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] -
+                     (p.gate ? p.gate_scale * p.G[tok * p.HQ + hq] : 0.f)) * 1.4426950408889634f,
                     p.delta[tok * p.HQ + hq]);
   lsd[(int64_t(hq) * p.nchunks + ci) * kChunk + r] = v;
 }
 
 template <typename T, int K>
 cudaError_t far_t(const KernelParams& p, const KfMaps& mp, int nitems, int grid, cudaStream_t s) {
-  return launch_with_smem(bwd_k_far_kernel<T, K>, dim3(unsigned(grid)), kKfThreads, KfSmem<K>::bytes, s, p, mp,
-                          nitems);
+  if (p.gate)
+    return launch_with_smem(bwd_k_far_kernel<T, K, true>, dim3(unsigned(grid)), kKfThreads, KfSmem<K>::bytes, s, p,
+                            mp, nitems);
+  return launch_with_smem(bwd_k_far_kernel<T, K, false>, dim3(unsigned(grid)), kKfThreads, KfSmem<K>::bytes, s, p,
+                          mp, nitems);
 }
 
 }  // namespace
 
 bool bwd_k_far_usable(const KernelParams& p) {
-  if (!p.path || p.gate || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
+  if (!p.path || (p.gate && !p.dgq) || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
   if (!tma_aligned(p.v, p.v_s) || !tma_aligned(p.dout, p.do_s)) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
   return far_device_ok(KfSmem<128>::bytes);

@@ -575,7 +575,10 @@ struct BwdQ {
 #pragma unroll
         for (int nt = 0; nt < K / 8; ++nt)
           *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
-        if (t4 == 0 && p.gate) p.dgrow[(tokq0 + r) * p.HQ + hq] = dga[r] + gs * a;
+        if (t4 == 0 && p.gate) {  // after bwd_q_far (qfar = 2), which wrote the far part of the row
+          float* dst_g = p.dgrow + (tokq0 + r) * p.HQ + hq;
+          *dst_g = (first > 0 && p.qfar == 2 ? *dst_g : 0.f) + dga[r] + gs * a;
+        }
       }
     }
   }

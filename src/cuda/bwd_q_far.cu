@@ -12,7 +12,10 @@
 //          in the input type with a power-of-two scale for the tile; fp32 atomics into dps) and
 //          gbar <- gbar PS_sb^T (fp16 operands, each row scaled into range first).
 // gbar at the end is the gradient w.r.t. qhat: written to dqt, where bwd_q's last launch (p.qfar == 2) starts
-// its own superblock's chain from it. Not for the gate, nor in deterministic mode (dPS by atomics here).
+// its own superblock's chain from it. With the gate (kGate), the exponent takes the gate terms as bwd_q's, and the
+// gate's row sums of dS go to dgrow (bwd_q's last launch adds its own) and its column sums into dgcol (fp32
+// atomics: the query side takes every column sum, KernelParams::dgq). Not in deterministic mode (dPS and dgcol
+// by atomics here).
 #include <algorithm>
 #include <cstdint>
 
@@ -45,7 +48,7 @@ struct QfSmem {
   static constexpr size_t bytes = 1024 + kQfStages * 2 * kv + size_t(K) * K * 2 + 2 * tile + 8 * 4 + kQfRows * 8 + 8 * 16;
 };
 
-template <typename T, int K>
+template <typename T, int K, bool kGate>
 __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_constant__ KernelParams p,
                                                                   const __grid_constant__ QfMaps mp, int nitems) {
 #ifdef PA_SM90A
@@ -76,7 +79,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
   const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};  // rows within the warpgroup's chunk
-  const float LOG2E = 1.4426950408889634f, sl2 = p.scale * LOG2E;
+  const float LOG2E = 1.4426950408889634f, sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
   T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kQfRows * K;
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kQfRows;
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
@@ -160,16 +163,17 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
                      hq * p.do_s[2];
       load_frags<T, V / 16>(da, dop, p.do_s[1], nq - wrow0);
     }
-    // (lse2, delta) of the tile's rows in shared memory (registers are short here); rows are written and read by
-    // the same warp.
+    // (lse2 - the row's gate term, delta) of the tile's rows in shared memory (registers are short here); rows
+    // are written and read by the same warp.
     if (t4 == 0)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const bool ok = rr[hr] < nq;
-        const int64_t pos = ch.t0 + int64_t(qc) * kChunk + rr[hr];
+        const int64_t pos = ch.t0 + int64_t(qc) * kChunk + rr[hr], tok = tokq0 + rr[hr];
+        const float gq_r = kGate && ok ? p.G[tok * p.HQ + hq] * gl2 : 0.f;
         rowv[16 * warp + g + 8 * hr] =
-            ok ? make_float2(p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E,
-                             p.delta[(tokq0 + rr[hr]) * p.HQ + hq])
+            ok ? make_float2(p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] * LOG2E - gq_r,
+                             p.delta[tok * p.HQ + hq])
                : make_float2(INFINITY, 0.f);
       }
     __syncwarp();
@@ -196,15 +200,38 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(gq, dsa[kt], nmaj(n, kt));
       wg_commit();
     };
-    auto ds = [&]() {  // s <- scale P (dP - delta), P = 2^(s sl2 - lse2)
+    float rs[2] = {0.f, 0.f};  // with the gate: this thread's row sums of scale dS
+    // s <- scale P (dP - delta), P = 2^(s sl2 - lse2 (+ the gate terms)), for key chunk c; with the gate, its row
+    // sums into rs and its column sums (over the warp's 16 rows, then one add a column) into dgcol.
+    auto ds = [&](int c) {
       const float2 rv[2] = {rowv[16 * warp + g], rowv[16 * warp + g + 8]};
+      const int64_t ktok = seq_tok0 + int64_t(c) * kChunk;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pr = fast_exp2(s[nt][e] * sl2 - rv[e >> 1].x);
+          const float gk = kGate ? __ldg(p.G + (ktok + 8 * nt + 2 * t4 + (e & 1)) * p.HQ + hq) * gl2 : 0.f;
+          const float pr = fast_exp2(s[nt][e] * sl2 - rv[e >> 1].x - gk);
           s[nt][e] = p.scale * pr * (dp[nt][e] - rv[e >> 1].y);
         }
+      if constexpr (kGate) {
+        const float cw = -p.gate_scale / p.scale;  // dgcol takes -gate_scale dS
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          rs[0] += s[nt][0] + s[nt][1];
+          rs[1] += s[nt][2] + s[nt][3];
+          float c0 = s[nt][0] + s[nt][2], c1 = s[nt][1] + s[nt][3];
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) {
+            c0 += __shfl_xor_sync(0xffffffffu, c0, o);
+            c1 += __shfl_xor_sync(0xffffffffu, c1, o);
+          }
+          if (g == nt) {  // lane (nt, t4) adds columns 8 nt + 2 t4, + 1
+            atomicAdd(p.dgcol + (ktok + 8 * nt + 2 * t4) * p.HQ + hq, cw * c0);
+            atomicAdd(p.dgcol + (ktok + 8 * nt + 2 * t4 + 1) * p.HQ + hq, cw * c1);
+          }
+        }
+      }
     };
     // dPS_sb += qt_sb^T gbar over the tile's rows: A = qt_sb^T (Qt, M-major), B = the staged gbar (Gs,
     // N-major). K = 128: warpgroup wg takes features 64 wg .. over all rows; K = 64: all features over its own
@@ -271,6 +298,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
         int ex = 0;
         frexpf(mx, &ex);
+        ex = max(ex, kMinScaleExp);
         const float down = ldexpf(1.f, -ex);
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
@@ -313,7 +341,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       issue_sdp(n_c + uint32_t(c0));
       wg_wait<0>();
       fence_regs(s, dp);
-      ds();
+      ds(c0);
       pack_frags<T, 4>(dsa, s);
       for (int c = c0 + 1; c < c0 + p.sc; ++c) {
         const uint32_t n = n_c + uint32_t(c);
@@ -322,7 +350,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
         issue_gq(n - 1);
         wg_wait<1>();  // S, dP of chunk c done; gq += dS ks of chunk c - 1 may still run
         fence_regs(s, dp);
-        ds();
+        ds(c);
         wg_wait<0>();
         release_c(n - 1);
         fence_regs(gq, dsa);
@@ -337,9 +365,15 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       release_c(nl);
     }
     n_c += uint32_t(nfc);
-    // gbar: the gradient w.r.t. qhat, this warp's rows.
+    // gbar: the gradient w.r.t. qhat, this warp's rows; with the gate, the far part of dgrow (gate_scale times
+    // the row sums of dS).
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
+      if constexpr (kGate) {
+        rs[hr] += __shfl_xor_sync(0xffffffffu, rs[hr], 1);
+        rs[hr] += __shfl_xor_sync(0xffffffffu, rs[hr], 2);
+        if (t4 == 0 && rr[hr] < nq) p.dgrow[(tokq0 + rr[hr]) * p.HQ + hq] = p.gate_scale / p.scale * rs[hr];
+      }
       if (rr[hr] >= nq) continue;
       float* dst = p.dqt + ((tokq0 + rr[hr]) * p.HQ + hq) * K;
 #pragma unroll
@@ -352,14 +386,17 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
 
 template <typename T, int K>
 cudaError_t far_t(const KernelParams& p, const QfMaps& mp, int nitems, int grid, cudaStream_t s) {
-  return launch_with_smem(bwd_q_far_kernel<T, K>, dim3(unsigned(grid)), kQfThreads, QfSmem<K>::bytes, s, p, mp,
-                          nitems);
+  if (p.gate)
+    return launch_with_smem(bwd_q_far_kernel<T, K, true>, dim3(unsigned(grid)), kQfThreads, QfSmem<K>::bytes, s, p,
+                            mp, nitems);
+  return launch_with_smem(bwd_q_far_kernel<T, K, false>, dim3(unsigned(grid)), kQfThreads, QfSmem<K>::bytes, s, p,
+                          mp, nitems);
 }
 
 }  // namespace
 
 bool bwd_q_far_usable(const KernelParams& p) {
-  if (!p.path || p.gate || p.deterministic || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
+  if (!p.path || (p.gate && !p.dgq) || p.deterministic || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
   // v by TMA; dO's fragments are read with 32-bit loads.
   if (!tma_aligned(p.v, p.v_s) || reinterpret_cast<uintptr_t>(p.dout) % 4 != 0) return false;
   for (int d = 0; d < 3; ++d)

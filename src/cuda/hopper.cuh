@@ -169,6 +169,12 @@ __device__ __forceinline__ void load_frags(uint32_t (&f)[KT][4], const E* row0, 
   }
 }
 
+// The smallest power of two a row (or tile) scaled into [-1, 1) is divided by (2^120 and 2^-120 are normal
+// floats). Rows of entries below 2^-126 (the gate's far pairs have weights down to e^-hundreds) would make 2^-e
+// overflow to inf and the scaled row NaN; scaled by 2^120 they stay below 1 and lose fp16's relative precision
+// only under 2^-134, where fp32 itself is subnormal.
+inline constexpr int kMinScaleExp = -120;
+
 // x <- x PS (kTransposed: x PS^T) for a warpgroup's 64 x K fp32 tile (this warp's 16 rows, C layout) and a K x K
 // fp16 product PS in shared memory as TMA writes it (column blocks of K rows x 64, 128-byte swizzle): fp16
 // operands, fp32 accumulation. kRowScale first scales each row by a power of two into [-1, 1) and back after
@@ -187,6 +193,7 @@ __device__ __forceinline__ void ps_product(float (&x)[K / 8][4], const __half* P
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       int e = 0;
       frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
+      e = max(e, kMinScaleExp);
       const float down = ldexpf(1.f, -e);
       up[hr] = ldexpf(1.f, e);
 #pragma unroll

@@ -382,7 +382,8 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
 // The backward's far parts (bwd_q_far and bwd_k_far on Hopper, else the scans alone) against the oracle, both
 // ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's or sequence's rows
 // in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to four superblocks
-// crossed, beta = 2 and near 2.
+// crossed, beta = 2 and near 2, the gate (the far kernels take it where a sequence is longer than 2048 tokens;
+// the far query kernel takes the gate's row and column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
   on_both_far_paths([] {
@@ -392,8 +393,15 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s.B = 1;
     s.seqlens = {0, 700, 1363, 37};
     check_case(s, true, {}, true);
+    s = mk(0, 4, 2, 128, 128, true, BetaMode::uniform02, DType::bf16, 98);
+    s.B = 1;
+    s.seqlens = {0, 2200, 301};
+    check_case(s, true, {}, true);
     s = mk(2500, 2, 2, 64, 64, false, BetaMode::near2, DType::bf16, 97);
     s.B = 1;
+    check_case(s, true, {}, true);
+    s.gate = true;
+    s.seed = 99;
     check_case(s, true, {}, true);
   });
 }
