@@ -91,8 +91,10 @@ struct KernelParams {
   float* delta;     // [NT, HQ]     rowsum(dO * O)
   float* dqt;       // [NT, HQ, K]  gradient w.r.t. the chunk-start queries
   float* dvdiag;    // [NT, HQ, V]  diagonal-chunk P^T dO per query head (bwd_k adds it into dv)
-  float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns)
-  float* dgcol;     // [NT, HQ]     gate-gradient terms of off-diagonal key columns (bwd_k; bwd_q with dgq)
+  float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns); bwd_q_far writes
+                    //              the far pairs' part first, bwd_q's last launch adds the rest
+  float* dgcol;     // [NT, HQ]     gate-gradient terms of off-diagonal key columns (bwd_k; with dgq the query
+                    //              side's atomics)
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
   float* E;         // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1 (the backward's chunk_prep writes it for
                     //              bwd_chunk; null in the forward)
@@ -109,7 +111,8 @@ struct KernelParams {
   int qfar;         // the query side split around bwd_q_far: 0 no split; 1 bwd_q writes qhat only; 2 bwd_q runs
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool deterministic;
-  bool dgq;         // the gate's column sums of dS come from bwd_q (atomics into dgcol), not bwd_k
+  bool dgq;         // the gate's column sums of dS come from the query side (bwd_q, bwd_q_far: atomics into
+                    // dgcol), not bwd_k; required for the far kernels to take the gate
   int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
                     // query side's next item (zeroed)
 
