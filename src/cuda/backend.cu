@@ -128,7 +128,10 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   kp.kt = kt;
   PA_CU(ws.alloc(&kp.qtl, NT * HQ * K));
   PA_CU(ws.alloc(&kp.aloc, NT * HQ * kChunk));
-  if (pr.gate) PA_CU(ws.alloc(&kp.G, NT * HQ));
+  if (pr.gate) {
+    PA_CU(ws.alloc(&kp.G, NT * HQ));
+    PA_CU(ws.alloc(&kp.gc, size_t(kp.nchunks) * HQ * kChunk));
+  }
   return Status::Ok();
 }
 

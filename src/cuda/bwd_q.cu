@@ -379,25 +379,7 @@ struct BwdQ {
           ds[nt][e] = pr * (dp[0][nt][e] - dl[e >> 1]);
           rs[e >> 1] += ds[nt][e];
         }
-      if (p.dgq) {  // per warp over its 16 rows, then one add a column
-        float cs[8][2];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) cs[nt][j] = ds[nt][j] + ds[nt][2 + j];
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1)
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) cs[nt][j] += __shfl_xor_sync(0xffffffffu, cs[nt][j], o);
-        if (g == 0)
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-              atomicAdd(p.dgcol + (ktok + 8 * nt + 2 * t4 + j) * p.HQ + hq, -gs * cs[nt][j]);
-      }
+      if (p.dgq) warp_add_col_sums(ds, p.dgcol + hq, ktok, p.HQ, -gs);
     };
     // gbar += scale dS keys (own rows).
     auto add_local = [&](const float (&ds)[8][4], const T* Kb) {

@@ -45,7 +45,8 @@ struct QfSmem {
   static constexpr size_t kv = size_t(kChunk) * K * 2, tile = size_t(kQfRows) * K * 2;
   // Stages of ks / v chunks, the superblock product (fp16), qt_sb and the staged gbar, a reduction, the rows'
   // (lse2, delta), barriers.
-  static constexpr size_t bytes = 1024 + kQfStages * 2 * kv + size_t(K) * K * 2 + 2 * tile + 8 * 4 + kQfRows * 8 + 8 * 16;
+  static constexpr size_t bytes =
+      1024 + kQfStages * 2 * kv + size_t(K) * K * 2 + 2 * tile + 8 * 4 + kQfRows * 8 + kQfStages * kChunk * 4 + 8 * 16;
 };
 
 template <typename T, int K, bool kGate>
@@ -61,7 +62,8 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   T* Gs = Qt + kQfRows * K;                   // [128 rows][K] likewise (gbar, scaled)
   float* red = reinterpret_cast<float*>(Gs + kQfRows * K);
   float2* rowv = reinterpret_cast<float2*>(red + 8);  // [128] (lse2, delta)
-  uint64_t* full = reinterpret_cast<uint64_t*>(rowv + kQfRows);
+  float* Gst = reinterpret_cast<float*>(rowv + kQfRows);  // [stage][64 keys] gate terms (gc), with the gate
+  uint64_t* full = reinterpret_cast<uint64_t*>(Gst + kQfStages * kChunk);
   uint64_t* empty = full + kQfStages;
   PsPipe ps{empty + kQfStages, empty + kQfStages + 1, PSs};
   uint64_t* qt_full = empty + kQfStages + 2;
@@ -104,7 +106,9 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
       const uint32_t n = n_c + uint32_t(c);
       const int st = int(n % kQfStages);
       if (n >= kQfStages) mbar_wait(&empty[st], (n / kQfStages - 1) & 1);
-      mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2));
+      mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2 + (kGate ? kChunk * 4 : 0)));
+      if constexpr (kGate)
+        bulk_load(Gst + st * kChunk, p.gc + (int64_t(hq) * p.nchunks + ch.first + c) * kChunk, kChunk * 4, &full[st]);
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
         tma_load(Ks + st * kChunk * K + b * kChunk * 64, &mp.ks, 64 * b, h, int(seq_tok0 + int64_t(c) * kChunk),
@@ -206,31 +210,22 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
     auto ds = [&](int c) {
       const float2 rv[2] = {rowv[16 * warp + g], rowv[16 * warp + g + 8]};
       const int64_t ktok = seq_tok0 + int64_t(c) * kChunk;
+      const float* Gk = Gst + ((n_c + uint32_t(c)) % kQfStages) * kChunk;  // G gl2 of the chunk's keys
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float gk = kGate ? __ldg(p.G + (ktok + 8 * nt + 2 * t4 + (e & 1)) * p.HQ + hq) * gl2 : 0.f;
+          const float gk = kGate ? Gk[8 * nt + 2 * t4 + (e & 1)] : 0.f;
           const float pr = fast_exp2(s[nt][e] * sl2 - rv[e >> 1].x - gk);
           s[nt][e] = p.scale * pr * (dp[nt][e] - rv[e >> 1].y);
         }
       if constexpr (kGate) {
-        const float cw = -p.gate_scale / p.scale;  // dgcol takes -gate_scale dS
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           rs[0] += s[nt][0] + s[nt][1];
           rs[1] += s[nt][2] + s[nt][3];
-          float c0 = s[nt][0] + s[nt][2], c1 = s[nt][1] + s[nt][3];
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) {
-            c0 += __shfl_xor_sync(0xffffffffu, c0, o);
-            c1 += __shfl_xor_sync(0xffffffffu, c1, o);
-          }
-          if (g == nt) {  // lane (nt, t4) adds columns 8 nt + 2 t4, + 1
-            atomicAdd(p.dgcol + (ktok + 8 * nt + 2 * t4) * p.HQ + hq, cw * c0);
-            atomicAdd(p.dgcol + (ktok + 8 * nt + 2 * t4 + 1) * p.HQ + hq, cw * c1);
-          }
         }
+        warp_add_col_sums(s, p.dgcol + hq, ktok, p.HQ, -p.gate_scale / p.scale);  // dgcol takes -gate_scale dS
       }
     };
     // dPS_sb += qt_sb^T gbar over the tile's rows: A = qt_sb^T (Qt, M-major), B = the staged gbar (Gs,

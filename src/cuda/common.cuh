@@ -518,6 +518,30 @@ struct TcTile {
   }
 };
 
+// Column sums over a warp's 16 rows of a 16 x 64 tile x in the accumulator layout (rows g and g + 8, columns
+// 8 nt + 2t and + 1), times w, added to dst[(tok0 + column) * stride] with fp32 atomics: three shuffles over the
+// rows, then lanes 0-3 add their 16 columns. Every lane of the warp calls it.
+__device__ __forceinline__ void warp_add_col_sums(const float (&x)[8][4], float* dst, int64_t tok0, int stride,
+                                                  float w) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  float cs[8][2];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) cs[nt][j] = x[nt][j] + x[nt][2 + j];
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) cs[nt][j] += __shfl_xor_sync(0xffffffffu, cs[nt][j], o);
+  if (lane < 4)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) atomicAdd(dst + (tok0 + 8 * nt + 2 * t + j) * stride, w * cs[nt][j]);
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // One m16n8 accumulator fragment (rows r0 + g and r0 + g + 8, columns c0 + 2t and c0 + 2t + 1 of an 8-column
 // group), times `scale`, added to dst[r * ld + c] (fp32 global, rows 16-byte aligned, ld a multiple of 4) with

@@ -38,13 +38,14 @@ struct FarMaps {
   const int32_t* tiles;  // chunk-table index of each tile's first chunk (an even chunk past superblock 0)
 };
 
-// k~ and v stages, the superblock product (fp16), the query state (K / 16 16-byte fragments a thread), barriers.
+// k~ and v stages, the superblock product (fp16), the query state (K / 16 16-byte fragments a thread), the keys'
+// gate terms a v stage (with the gate), barriers.
 template <int K, int V>
 struct FarSmem {
   static constexpr size_t kTile = size_t(kFarKeys) * K * 2, vTile = size_t(kFarKeys) * V * 2;
-  static constexpr size_t state = size_t(K / 16) * kFarThreads * 16;
+  static constexpr size_t state = size_t(K / 16) * kFarThreads * 16, gate = size_t(kFarStages) * kFarKeys * 4;
   static constexpr size_t bytes = 1024 + kFarKStages * kTile + kFarStages * vTile + size_t(K) * K * 2 + state +
-                                  8 * (2 * kFarStages + kFarKStages + 2);
+                                  gate + 8 * (2 * kFarStages + kFarKStages + 2);
 };
 
 template <typename T, int K, int V, bool kGate>
@@ -57,7 +58,8 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   T* Vs = Ks + kFarKStages * kFarKeys * K;
   __half* PSs = reinterpret_cast<__half*>(Vs + kFarStages * kFarKeys * V);
   uint4* Sq = reinterpret_cast<uint4*>(PSs + K * K);  // [K / 16][threads]: a thread's fp16 state fragments
-  uint64_t* full = reinterpret_cast<uint64_t*>(Sq + (K / 16) * kFarThreads);
+  float* Gst = reinterpret_cast<float*>(Sq + (K / 16) * kFarThreads);  // [v stage][128 keys] gate terms (gc)
+  uint64_t* full = reinterpret_cast<uint64_t*>(Gst + kFarStages * kFarKeys);
   uint64_t* empty = full + kFarStages;    // v stage free (P V done), one arrival a warp
   uint64_t* kempty = empty + kFarStages;  // k~ stage free (scores done), one arrival a warp
   uint64_t* ps_full = kempty + kFarKStages;
@@ -89,14 +91,17 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     return int64_t(S - 1 - c / kFarPerSuper) * kSuperChunks * kChunk + (c % kFarPerSuper) * kFarKeys;
   };
 
-  // Thread 0: chunk c's k~ tile into k~ stage c % 2 and its v tile into v stage c % 3, each once its last reader
-  // released it; both arrive on full[c % 3].
+  // Thread 0: chunk c's k~ tile into k~ stage c % 2 and its v tile (with the gate, its keys' gate terms, read
+  // until P V is issued) into v stage c % 3, each once its last reader released it; all arrive on full[c % 3].
   auto issue = [&](int c) {
     const int st = c % kFarStages, kst = c % kFarKStages;
     if (c >= kFarStages) mbar_wait(&empty[st], uint32_t(c / kFarStages - 1) & 1);
     if (c >= kFarKStages) mbar_wait(&kempty[kst], uint32_t(c / kFarKStages - 1) & 1);
-    mbar_expect_tx(&full[st], uint32_t(kFarKeys * (K + V) * 2));
+    mbar_expect_tx(&full[st], uint32_t(kFarKeys * (K + V) * 2 + (kGate ? kFarKeys * 4 : 0)));
     const int64_t t = ch.t0 + key0(c);
+    if constexpr (kGate)
+      bulk_load(Gst + st * kFarKeys, p.gc + (int64_t(hq) * p.nchunks + ch.first + key0(c) / kChunk) * kChunk,
+                kFarKeys * 4, &full[st]);
 #pragma unroll 1
     for (int j = 0; j < K / 64; ++j)
       tma_load(Ks + kst * kFarKeys * K + j * kFarKeys * 64, &mp.ks, 64 * j, h, int(seq_tok0 + key0(c)), &full[st]);
@@ -204,12 +209,11 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   };
   auto softmax = [&](int c) {  // P left in s; alpha for the rescale of o
     if constexpr (kGate) {
-      const float* Gk = p.G + (seq_tok0 + key0(c)) * p.HQ + hq;
+      const float* Gk = Gst + (c % kFarStages) * kFarKeys;  // G gl2 of the chunk's keys
 #pragma unroll
       for (int nt = 0; nt < NS; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - __ldg(Gk + int64_t(8 * nt + 2 * t4 + (e & 1)) * p.HQ) * gl2;
+        for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gk[8 * nt + 2 * t4 + (e & 1)];
     } else {
 #pragma unroll
       for (int nt = 0; nt < NS; ++nt)

@@ -82,6 +82,8 @@ struct KernelParams {
                     //              launch has read a row, the row's first half holds it in the dtype of q for bwd_k)
   float* aloc;      // [NT, HQ, C]  diagonal-chunk logits (unscaled); backward: scale * dS of the diagonal
   float* G;         // [NT, HQ]     inclusive gate cumsum (gate only)
+  float* gc;        // [HQ, nchunks, 64] the same times gate_scale log2(e), by chunk: the far kernels' bulk
+                    // copies (gate only; rows past a sequence's end unwritten)
   void* ks;         // [NT, H, K]   keys moved to the end of their superblock (full superblocks), dtype of k
   __half* ps;       // [nsuper, H, K, K] superblock products P_last ... P_first, fp16 (forward only)
   // Forward split at the own superblock's start (fwd_far.cu): set, fwd_scan leaves its state there for fwd_far.

@@ -556,12 +556,14 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   }
 }
 
-// One warp per (sequence, query head): inclusive cumsum of g in fp32, 32 positions per step.
+// One warp per (sequence, query head): inclusive cumsum of g in fp32, 32 positions per step, into G and (scaled
+// by gate_scale log2(e), by chunk) gc.
 __global__ void gate_cumsum_kernel(KernelParams p, const int32_t* seq_first, int nseqs) {
   const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (wid >= nseqs * p.HQ) return;
   const ChunkDesc ch = p.chunks[seq_first[wid / p.HQ]];
   const int hq = wid % p.HQ;
+  const float gl2 = p.gate_scale * 1.4426950408889634f;  // as the kernels scale G
   float carry = 0.f;
   for (int base = 0; base < ch.len; base += 32) {
     const int t = base + lane;
@@ -572,7 +574,10 @@ __global__ void gate_cumsum_kernel(KernelParams p, const int32_t* seq_first, int
       if (lane >= o) x += y;
     }
     x += carry;
-    if (t < ch.len) p.G[(ch.b * p.T + ch.t0 + t) * p.HQ + hq] = x;
+    if (t < ch.len) {
+      p.G[(ch.b * p.T + ch.t0 + t) * p.HQ + hq] = x;
+      p.gc[(int64_t(hq) * p.nchunks + ch.first + t / kChunk) * kChunk + t % kChunk] = x * gl2;
+    }
     carry = __shfl_sync(0xffffffffu, x, 31);
   }
 }
