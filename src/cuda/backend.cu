@@ -344,11 +344,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     strides3(p.dg, kp.dg_s);
   }
   kp.deterministic = p.deterministic;
-  // The gate's column sums of dS: from the query side (bwd_q, bwd_q_far), beside its row sums of the same dS
-  // (atomics), so that the two cancel as in exact arithmetic; the deterministic mode keeps bwd_k's fixed-order sums
-  // of its own dS^T (dg's error about 1.5x larger; dev/cuda/NOTES.md v3.34) and, with the gate, no far kernels.
-  // PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums (and so no far kernels with the gate), for kernel work.
-  kp.dgq = pr.gate && !p.deterministic && std::getenv("PATHATTN_CUDA_DG_SPLIT") == nullptr;
+  // The gate's column sums of dS: from the query side (bwd_q, bwd_q_far), beside its row sums of the same dS, so
+  // that the two cancel as in exact arithmetic (dev/cuda/NOTES.md v3.34): atomics, or in deterministic mode adds
+  // in a fixed order behind tickets (bwd_q only; v3.37). PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums of its own
+  // dS^T (dg's error about 1.5x larger; and so no far kernels with the gate), for kernel work.
+  kp.dgq = pr.gate && std::getenv("PATHATTN_CUDA_DG_SPLIT") == nullptr;
 
   int32_t* seq_first = nullptr;
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
@@ -381,13 +381,19 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // Persistent grids: scratch_slots snapshots of C x K (16-bit) per CTA.
   const int nseqs = int(t.seq_first.size());
   const int q_items = kp.nchunks * int(HQ);
-  if (p.deterministic) {  // the fixed order of the dP / dPS sums (bwd_q.cu)
-    const size_t n = (size_t(kp.nchunks) + size_t(kp.nsuper)) * H + 1;
+  if (p.deterministic) {  // the fixed order of the dP / dPS sums and of the gate's column sums (bwd_q.cu)
+    const size_t n = (size_t(kp.nchunks) + size_t(kp.nsuper)) * (H + (kp.dgq ? HQ : 0)) + 1;
     PA_CU(ws.alloc(&kp.tickets, n));
     PA_CU(ws.zero(kp.tickets, n * sizeof(int)));
   }
   const int k_items = kp.nchunks * int(H);
   const int gq = std::min(q_items, bwd_q_max_grid(kp, dt));
+  if (p.deterministic && kp.dgq) {  // bwd_q's ordered gate column sums (bwd_q.cu, kDetCols)
+    PA_CU(ws.alloc(&kp.dgcolf, NT * HQ));
+    PA_CU(ws.zero(kp.dgcolf, NT * HQ * sizeof(float)));
+    const size_t n = size_t(std::max(gq, 1)) * 4 * kp.sc * kChunk;
+    PA_CU(ws.alloc(&kp.colscr, n));
+  }
   const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");
   // The far parts on Hopper (bwd_q_far.cu, bwd_k_far.cu), where this build, the device and the call allow them.

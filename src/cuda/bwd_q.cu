@@ -73,7 +73,9 @@ struct BwdQSmem {
   static_assert(gb_bytes <= size_t(kChunk) * 2 * LK * 2, "gb must fit over two [64][LK] tiles");
 };
 
-template <typename T, int K, int V>
+// kDetCols: the deterministic mode's gate column sums (ordered adds; a variant of its own, so that the default
+// mode's register allocation is not touched).
+template <typename T, int K, int V, bool kDetCols>
 struct BwdQ {
   using S = BwdQSmem<K, V>;
   static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
@@ -360,8 +362,27 @@ struct BwdQ {
       }
       return reinterpret_cast<const T*>(Qd);
     };
+    // kDetCols (deterministic mode with p.dgq): the gate column sums go into dgcol (the own superblock's key
+    // chunks) and dgcolf (far superblocks, whose chunks the later superblocks' items score) in a fixed order.
+    // scores() leaves each warp's column sums of a key chunk kc (its 16 rows, by shuffles) in this CTA's colscr,
+    // slot kc % sc; flush_cols adds `n` slots' sums, the warps' in order, to the key tokens from ktok0 on once the
+    // earlier items of this sequence and query head (the later query chunks, which all score these keys) have
+    // added theirs: a ticket per (key chunk, query head) for dgcol, per (superblock, query head) for dgcolf.
+    float* const colscr = kDetCols ? p.colscr + size_t(blockIdx.x) * (kBwdThreads / 32) * p.sc * kChunk : nullptr;
+    auto flush_cols = [&](float* dst, int64_t ktok0, int slot0, int n, int* ticket, int rank) {
+      ticket_wait(ticket, rank);  // (a block barrier: every warp's sums are in colscr)
+      for (int c = threadIdx.x; c < n * kChunk; c += kBwdThreads) {
+        float v = 0.f;
+        for (int w = 0; w < kBwdThreads / 32; ++w) v += colscr[(w * p.sc + slot0) * kChunk + c];
+        float* d = dst + (ktok0 + c) * p.HQ + hq;
+        __stcg(d, __ldcg(d) - gs * v);
+      }
+      ticket_pass(ticket, rank);
+    };
+    int* const tk_cols = kDetCols ? p.tickets + int64_t(p.nchunks + p.nsuper) * p.H + 1 : nullptr;
     // One key chunk (tiles Kb, Vb, gate column terms Gb) against the query tile Qop: ds = P * (dP - delta),
-    // gate row sums and, with p.dgq, the gate column sums of key tokens ktok.. (atomics into dgcol).
+    // gate row sums and, with p.dgq, the gate column sums of key tokens ktok.. (atomics into dgcol, or with
+    // kDetCols into colscr, for flush_cols).
     auto scores = [&](const T* Qop, const T* Kb, const T* Vb, const float* Gb, float (&ds)[8][4], int64_t ktok) {
       float s[1][8][4], dp[1][8][4];
       zero_acc(s);
@@ -379,7 +400,18 @@ struct BwdQ {
           ds[nt][e] = pr * (dp[0][nt][e] - dl[e >> 1]);
           rs[e >> 1] += ds[nt][e];
         }
-      if (p.dgq) warp_add_col_sums(ds, p.dgcol + hq, ktok, p.HQ, -gs);
+      if constexpr (kDetCols) {
+        float cs[8][2];
+        warp_col_sums(ds, cs);
+        const int slot = int((ktok - seq_tok0) / kChunk) % p.sc;
+        if (lane < 4)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) colscr[(warp * p.sc + slot) * kChunk + 8 * nt + 2 * t4 + j] = cs[nt][j];
+      } else {
+        if (p.dgq) warp_add_col_sums(ds, p.dgcol + hq, ktok, p.HQ, -gs);
+      }
     };
     // gbar += scale dS keys (own rows).
     auto add_local = [&](const float (&ds)[8][4], const T* Kb) {
@@ -477,6 +509,9 @@ struct BwdQ {
             add_local(ds, Ks);
           }
         }
+        if constexpr (kDetCols)  // adders: every later superblock's items
+          flush_cols(p.dgcolf, seq_tok0 + int64_t(sb) * p.sc * kChunk, 0, p.sc,
+                     tk_cols + int64_t(p.nchunks + ch.sfirst + sb) * p.HQ + hq, nc - 1 - qc);
       }
     }
     // The own superblock's chunks. Without S::pf each step loads its tiles when their buffers free up and waits for
@@ -543,6 +578,9 @@ struct BwdQ {
         warp_chunk_step<K>(gq, W2s, Ws, LK);  // gbar <- gbar P_kc^T = gbar - (gbar W2^T) W
       }
       add_local(ds, Ks);
+      if constexpr (kDetCols)  // adders: the later chunks of the own superblock (of the sequence without PaTH)
+        flush_cols(p.dgcol, tok, kc % p.sc, 1, tk_cols + int64_t(ch.first + kc) * p.HQ + hq,
+                   (p.path ? min(first + p.sc - 1, nc - 1) : nc - 1) - qc);
     }
     // ---- outputs: dq~ = gbar, gate row terms (dga rows were written by other warps).
     __syncthreads();
@@ -566,11 +604,11 @@ struct BwdQ {
   }
 };
 
-template <typename T, int K, int V>
+template <typename T, int K, int V, bool kDetCols>
 __global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(KernelParams p, int nitems,
                                                                              int* next_item) {
   extern __shared__ __align__(16) uint8_t smem[];
-  BwdQ<T, K, V> w;
+  BwdQ<T, K, V, kDetCols> w;
   w.carve(smem);
   __half* scratch = p.scratch + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
   // Items (most work first) are started in order from a counter as CTAs free up: a slice of one kv head has a
@@ -587,25 +625,33 @@ __global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(Ker
   }
 }
 
-template <typename T, int K, int V>
+template <typename T, int K, int V, bool kDetCols = false>
 cudaError_t set_attr() {
-  return cudaFuncSetAttribute(bwd_q_kernel<T, K, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return cudaFuncSetAttribute(bwd_q_kernel<T, K, V, kDetCols>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(BwdQSmem<K, V>::bytes));
 }
 
-template <typename T, int K, int V>
-cudaError_t run_t(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
-  cudaError_t e = set_attr<T, K, V>();
+template <typename T, int K, int V, bool kDetCols>
+cudaError_t run_kernel(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
+  cudaError_t e = set_attr<T, K, V, kDetCols>();
   if (e != cudaSuccess) return e;
-  bwd_q_kernel<T, K, V><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems, next);
+  bwd_q_kernel<T, K, V, kDetCols><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems, next);
   return cudaGetLastError();
 }
 
 template <typename T, int K, int V>
+cudaError_t run_t(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
+  return p.deterministic && p.dgq ? run_kernel<T, K, V, true>(p, grid, nitems, next, s)
+                                  : run_kernel<T, K, V, false>(p, grid, nitems, next, s);
+}
+
+// The CTAs of the default variant that fit at once (the ordered variant has the same launch bounds and shared
+// memory; a persistent grid larger than what fits would only queue).
+template <typename T, int K, int V>
 int grid_t() {
   if (set_attr<T, K, V>() != cudaSuccess) return 0;
   int nb = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_q_kernel<T, K, V>, kBwdThreads, BwdQSmem<K, V>::bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_q_kernel<T, K, V, false>, kBwdThreads, BwdQSmem<K, V>::bytes);
   device_attr(cudaDevAttrMultiProcessorCount, &sms);
   return nb * sms;
 }

@@ -519,12 +519,9 @@ struct TcTile {
 };
 
 // Column sums over a warp's 16 rows of a 16 x 64 tile x in the accumulator layout (rows g and g + 8, columns
-// 8 nt + 2t and + 1), times w, added to dst[(tok0 + column) * stride] with fp32 atomics: three shuffles over the
-// rows, then lanes 0-3 add their 16 columns. Every lane of the warp calls it.
-__device__ __forceinline__ void warp_add_col_sums(const float (&x)[8][4], float* dst, int64_t tok0, int stride,
-                                                  float w) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
-  float cs[8][2];
+// 8 nt + 2t and + 1): three shuffles over the rows; lane t < 4 then holds columns 8 nt + 2t + j in cs[nt][j].
+// Every lane of the warp calls it.
+__device__ __forceinline__ void warp_col_sums(const float (&x)[8][4], float (&cs)[8][2]) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -535,6 +532,15 @@ __device__ __forceinline__ void warp_add_col_sums(const float (&x)[8][4], float*
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) cs[nt][j] += __shfl_xor_sync(0xffffffffu, cs[nt][j], o);
+}
+
+// warp_col_sums, times w, added to dst[(tok0 + column) * stride] with fp32 atomics by lanes 0-3. Every lane of
+// the warp calls it.
+__device__ __forceinline__ void warp_add_col_sums(const float (&x)[8][4], float* dst, int64_t tok0, int stride,
+                                                  float w) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  float cs[8][2];
+  warp_col_sums(x, cs);
   if (lane < 4)
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)

@@ -96,7 +96,9 @@ struct KernelParams {
   float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns); bwd_q_far writes
                     //              the far pairs' part first, bwd_q's last launch adds the rest
   float* dgcol;     // [NT, HQ]     gate-gradient terms of off-diagonal key columns (bwd_k; with dgq the query
-                    //              side's atomics)
+                    //              side's atomics; deterministic with dgq: bwd_q's own superblocks' pairs)
+  float* dgcolf;    // [NT, HQ]     deterministic with dgq: the far superblocks' part of dgcol (bwd_q; else null)
+  float* colscr;    // [grid, 4, sc, 64] deterministic with dgq: bwd_q's per-warp column sums before their ordered add
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
   float* E;         // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1 (the backward's chunk_prep writes it for
                     //              bwd_chunk; null in the forward)
@@ -114,9 +116,11 @@ struct KernelParams {
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool deterministic;
   bool dgq;         // the gate's column sums of dS come from the query side (bwd_q, bwd_q_far: atomics into
-                    // dgcol), not bwd_k; required for the far kernels to take the gate
+                    // dgcol; deterministic mode: bwd_q alone, ordered adds), not bwd_k; required for the far
+                    // kernels to take the gate
   int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
-                    // query side's next item (zeroed)
+                    // query side's next item, then with dgq [nchunks + nsuper, HQ] into each key chunk's dgcol and
+                    // each superblock's dgcolf (zeroed)
 
   // dvk is dvdiag (MHA, bwd_run): bwd_k_far adds the far part of dv into it, bwd_k reads dvdiag alone.
   __host__ __device__ bool dvk_merged() const { return dvk != nullptr && dvk == dvdiag; }

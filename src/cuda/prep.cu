@@ -582,7 +582,7 @@ __global__ void gate_cumsum_kernel(KernelParams p, const int32_t* seq_first, int
   }
 }
 
-// One warp per (sequence, query head): dg_u = sum_{t >= u} (dgrow_t + dgcol_t).
+// One warp per (sequence, query head): dg_u = sum_{t >= u} (dgrow_t + dgcol_t (+ dgcolf_t)).
 __global__ void bwd_dg_kernel(KernelParams p, const int32_t* seq_first, int nseqs) {
   const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (wid >= nseqs * p.HQ) return;
@@ -595,7 +595,7 @@ __global__ void bwd_dg_kernel(KernelParams p, const int32_t* seq_first, int nseq
     float x = 0.f;
     if (t < ch.len) {
       const int64_t i = (ch.b * p.T + ch.t0 + t) * p.HQ + hq;
-      x = p.dgrow[i] + p.dgcol[i];
+      x = p.dgrow[i] + p.dgcol[i] + (p.dgcolf != nullptr ? p.dgcolf[i] : 0.f);
     }
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {

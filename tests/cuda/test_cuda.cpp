@@ -533,6 +533,37 @@ TEST(CudaBackend, DeterministicMatchesDefault) {
   EXPECT_LE(err(a.dq, b.dq), 1e-2);
 }
 
+// The deterministic mode with the gate takes the gate's column sums of dS on the query side, beside its row sums of
+// the same scores, in a fixed order: dg as accurate as the default mode's (both within the bar against the fp64
+// oracle, and within a few percent of each other), bitwise repeatable. A sequence past four superblocks (the key
+// side's far kernel runs in this mode) and a short one, GQA.
+TEST(CudaBackend, DeterministicGate) {
+  REQUIRE_GPU();
+  CaseSpec s = mk(0, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 131);
+  s.B = 1;
+  s.seqlens = {0, 2300, 700};
+  Case c = Case::make(s);
+  Case c64 = to_f64(c);
+  HostTensor dout = random_dout(c, 132);
+  FwdOut ref = run_fwd(c64, Backend::oracle);
+  ASSERT_TRUE(ref.status.ok()) << ref.status.message();
+  BwdOut rb = run_bwd(c64, ref, dout.cast(DType::f64), Backend::oracle);
+  ASSERT_TRUE(rb.status.ok()) << rb.status.message();
+  GpuCase gc(c, &dout);
+  GpuRun a = run_gpu(gc, true, false), d1 = run_gpu(gc, true, true), d2 = run_gpu(gc, true, true);
+  for (const GpuRun* r : {&a, &d1, &d2}) ASSERT_TRUE(r->fs.ok() && r->bs.ok()) << r->bs.message();
+  EXPECT_TRUE(same_bits(d1.dq, d2.dq) && same_bits(d1.dk, d2.dk) && same_bits(d1.dv, d2.dv) &&
+              same_bits(d1.dw, d2.dw) && same_bits(d1.dbeta, d2.dbeta) && same_bits(d1.dg, d2.dg))
+      << "deterministic gradients differ bitwise between runs";
+  const double eg_def = err(a.dg, rb.dg), eg_det = err(d1.dg, rb.dg);
+  EXPECT_LE(eg_det, 2e-2);
+  EXPECT_LE(eg_det, 1.1 * eg_def + 1e-4) << "the deterministic dg is less accurate than the default's";
+  EXPECT_LE(err(d1.dq, rb.dq), 1e-2);
+  EXPECT_LE(err(d1.dk, rb.dk), 1e-2);
+  EXPECT_LE(err(d1.dw, rb.dw), 2e-2);
+  std::printf("[det-gate] dg rel L2 against fp64: default %.2e, deterministic %.2e\n", eg_def, eg_det);
+}
+
 TEST(CudaBackend, RejectsUnsupported) {
   REQUIRE_GPU();
   CaseSpec s = mk(10, 2, 2, 32, 64, false, BetaMode::uniform02, DType::bf16, 61);
