@@ -346,7 +346,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   kp.deterministic = p.deterministic;
   // The gate's column sums of dS: from the query side (bwd_q, bwd_q_far), beside its row sums of the same dS, so
   // that the two cancel as in exact arithmetic (dev/cuda/NOTES.md v3.34): atomics, or in deterministic mode adds
-  // in a fixed order behind tickets (bwd_q only; v3.37). PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums of its own
+  // in a fixed order behind tickets (bwd_q only; v3.38). PATHATTN_CUDA_DG_SPLIT=1 forces bwd_k's sums of its own
   // dS^T (dg's error about 1.5x larger; and so no far kernels with the gate), for kernel work.
   kp.dgq = pr.gate && std::getenv("PATHATTN_CUDA_DG_SPLIT") == nullptr;
 
@@ -391,8 +391,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   if (p.deterministic && kp.dgq) {  // bwd_q's ordered gate column sums (bwd_q.cu, kDetCols)
     PA_CU(ws.alloc(&kp.dgcolf, NT * HQ));
     PA_CU(ws.zero(kp.dgcolf, NT * HQ * sizeof(float)));
-    const size_t n = size_t(std::max(gq, 1)) * 4 * kp.sc * kChunk;
-    PA_CU(ws.alloc(&kp.colscr, n));
+    PA_CU(ws.alloc(&kp.colscr, bwd_q_colscr_elems(std::max(gq, 1), kp.sc)));
   }
   const int gk = std::min(k_items, bwd_k_max_grid(kp, dt));
   if (gq <= 0 || gk <= 0) return internal("cuda: the backward kernels do not fit on this device (occupancy 0)");

@@ -684,4 +684,6 @@ int bwd_q_max_grid(const KernelParams& p, int dtype) {
   return dtype == 0 ? grid_dispatch<__half>(p) : grid_dispatch<__nv_bfloat16>(p);
 }
 
+size_t bwd_q_colscr_elems(int grid, int sc) { return size_t(grid) * (kBwdThreads / 32) * sc * kChunk; }
+
 }  // namespace pathattn::cuda

@@ -79,6 +79,8 @@ cudaError_t launch_bwd_dg(const KernelParams& p, const int32_t* seq_first, int n
 
 // Persistent-grid sizes: how many CTAs of the backward passes fit on the device at once.
 int bwd_q_max_grid(const KernelParams& p, int dtype);
+// Floats of p.colscr (the deterministic mode's gate column sums before their ordered add) for a grid of `grid`.
+size_t bwd_q_colscr_elems(int grid, int sc);
 int bwd_k_max_grid(const KernelParams& p, int dtype);
 // Dynamic shared memory each kernel asks for (for the "device too small" check).
 size_t smem_fwd_scan(int K, int V);
