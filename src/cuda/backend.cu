@@ -405,11 +405,18 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // the gate, ms, far kernels / bwd_q and bwd_k alone) K = 64 T = 1k 13.73 / 13.37, 4k 24.17 / 24.08, 16k 60.5 /
   // 66.9; K = 128 T = 1k 13.87 / 13.81, 4k 23.27 / 25.01, 16k 57.8 / 69.2 (dev/cuda/NOTES.md v3.35).
   const bool far = far_worth_it(kp, t) && (!pr.gate || longer_than_four_superblocks(pr));
+  const bool kfar_ok = far && bwd_k_far_usable(kp);
   if (far && bwd_q_far_usable(kp)) {
     qfar_tiles = far_query_tiles(t, kp.sc);
     for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kp.sc);
   }
-  if (far && bwd_k_far_usable(kp)) {
+  // One far kernel for both sides (bwd_k_far with kfuse: dq by reductions into dqt, dPS from the key chain;
+  // dev/cuda/NOTES.md v3.39) where both far kernels would run, without the gate (its dS sums are the query
+  // side's) and not in deterministic mode (reductions). PATHATTN_CUDA_FAR_FUSE=0 keeps the two kernels.
+  const char* fuse_env = std::getenv("PATHATTN_CUDA_FAR_FUSE");
+  kp.kfuse = kfar_ok && !qfar_tiles.empty() && !pr.gate && !p.deterministic &&
+             !(fuse_env != nullptr && std::string(fuse_env) == "0");
+  if (kfar_ok) {
     std::vector<int> work;
     for (size_t i = 0; i < t.chunks.size(); ++i) {
       const ChunkDesc& c = t.chunks[i];
@@ -427,7 +434,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
       !qfar_tiles.empty() && !kfar_tiles.empty() ? kp.sc : scratch_slot_count(kp.max_chunks, pr.path, kp.sc);
   size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
   int32_t *qfar_dev = nullptr, *kfar_dev = nullptr;
-  if (!qfar_tiles.empty()) {
+  if (!qfar_tiles.empty() && !kp.kfuse) {
     qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
     if (qfar_grid <= 0) return internal("cuda: no SM count for the query side's far kernel");
     scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qfar_grid, qpark, int(K)));
@@ -447,11 +454,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
   }
   // Buffers that are never live at once share memory (kernel order: chunk_prep, super_prep, bwd_q, bwd_q_far,
-  // bwd_k_far, bwd_k, super_bwd, bwd_chunk). dkt (bwd_k .. bwd_chunk): over qhat and ks (super_prep / bwd_q
-  // .. bwd_k_far) where bwd_k_far ran; else (bwd_k reads qhat), with MHA and K = V, over dvdiag, whose layout
-  // it has (bwd_k reads a thread's dvdiag elements before it writes the same dkt elements). Piece 2: dvdiag,
-  // dvk and the persistent grids' scratch (bwd_q .. bwd_k), then super_bwd's scratch over all of them but a
-  // dvdiag that holds dkt.
+  // bwd_k_far, bwd_k, super_bwd, bwd_chunk; with kfuse bwd_q (qhat), bwd_k_far, bwd_q, bwd_k, ...). dkt (bwd_k
+  // .. bwd_chunk): over qhat and ks (super_prep / bwd_q .. bwd_k_far) where bwd_k_far ran; else (bwd_k reads
+  // qhat), with MHA and K = V, over dvdiag, whose layout it has (bwd_k reads a thread's dvdiag elements before it
+  // writes the same dkt elements). Piece 2: dvdiag, dvk and the persistent grids' scratch (bwd_q .. bwd_k), then
+  // super_bwd's scratch over all of them but a dvdiag that holds dkt.
   const bool dkt_on_dvdiag = !kfar && HQ == H && K == V;
   Layout l1, l2;
   size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
@@ -498,17 +505,23 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     k1.qfar = 1;
     PA_CU(launch_bwd_q(k1, dt, gq, q_items, counters + 2, s));
     prof.mark("bwd_q(qhat)");
-    PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, counters, dt, s));
-    prof.mark("bwd_q_far");
+    if (kp.kfuse) {
+      PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
+      prof.mark("bwd_k_far(fused)");
+    } else {
+      PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, counters, dt, s));
+      prof.mark("bwd_q_far");
+    }
     kp.qfar = 2;
   }
   PA_CU(launch_bwd_q(kp, dt, gq, q_items, counters + 3, s));
   prof.mark("bwd_q");
-  if (!kfar_tiles.empty()) {
+  if (!kfar_tiles.empty() && !kp.kfuse) {
     PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
     prof.mark("bwd_k_far");
     kp.kfar = true;
   }
+  if (kp.kfuse) kp.kfar = true;
   PA_CU(launch_bwd_k(kp, dt, gk, counters + 4, s));
   prof.mark("bwd_k");
   PA_CU(launch_super_bwd(kp, dt, sb_rows, sb_grid, s));

@@ -9,8 +9,14 @@
 //          resident A tile: per (query chunk of a, query head of the group) S^T = kt_a qhat^T, dP^T = v dO^T,
 //          dv += P^T dO, h += scale dS^T qhat, and between superblocks h <- h PS_a;
 // h at the own superblock's end is dks (bwd_k's far result), and bwd_k (with p.kfar) continues from dks and
-// dv. Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full
-// / empty mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, built below). Every output row
+// dv. With p.kfuse (kFuse; no gate, not deterministic) it takes the query side's far part too, so that no
+// bwd_q_far runs: per item dq = dS kt_a (the gradient w.r.t. qhat, the frame bwd_q's last launch starts from)
+// by fp32 vector reductions into dqt, from dS^T staged in shared memory (each warpgroup K / 2 features over all
+// 128 keys), and at each crossing dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a
+// tile, as bwd_q_far stages gbar); it then runs before bwd_q's last launch, which adds its diagonal dv to
+// this one's (dev/cuda/NOTES.md v3.39).
+// Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
+// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, built below). Every output row
 // has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
 // keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
 #include <algorithm>
@@ -40,14 +46,18 @@ struct KfMaps {
   int park_slots;        // parked states per CTA (128 x K each)
 };
 
-template <int K>
+template <int K, bool kFuse>
 struct KfSmem {
   static constexpr size_t kt = size_t(kKfKeys) * K * 2, q = size_t(kChunk) * K * 2, lsd = size_t(kChunk) * 8;
-  // Kt, Vt, the stages' q / dO tiles, the superblock product (fp16), the stages' scalars, barriers.
-  static constexpr size_t bytes = 1024 + 2 * kt + kKfStages * 2 * q + size_t(K) * K * 2 + kKfStages * lsd + 8 * 16;
+  // With kFuse: two buffers of dS^T ([128 keys][64 query rows], 16-bit), the staged h over both at a crossing.
+  static constexpr size_t ds = kFuse ? 2 * size_t(kKfKeys) * kChunk * 2 : 0;
+  // Kt, Vt, the stages' q / dO tiles, the superblock product (fp16), dS^T, the stages' scalars, barriers.
+  static constexpr size_t bytes =
+      1024 + 2 * kt + kKfStages * 2 * q + size_t(K) * K * 2 + ds + kKfStages * lsd + 8 * 16;
+  static_assert(!kFuse || ds >= kt, "bwd_k_far: the staged h lies over the dS^T buffers");
 };
 
-template <typename T, int K, bool kGate>
+template <typename T, int K, bool kGate, bool kFuse>
 __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_constant__ KernelParams p,
                                                                   const __grid_constant__ KfMaps mp, int nitems) {
 #ifdef PA_SM90A
@@ -58,7 +68,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   T* Qs = Vt + kKfKeys * V;                      // [stage][64][K] as column blocks of 64 x 64
   T* Ds = Qs + kKfStages * kChunk * K;           // [stage][64][V]
   __half* PSs = reinterpret_cast<__half*>(Ds + kKfStages * kChunk * V);  // [K][K] as column blocks of K x 64
-  float2* Ls = reinterpret_cast<float2*>(PSs + K * K);                   // [stage][64]
+  T* Dss = reinterpret_cast<T*>(PSs + K * K);  // kFuse: [2][128 keys][64 query rows] (dS^T); h at crossings
+  float2* Ls = reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(Dss) + KfSmem<K, kFuse>::ds);  // [stage][64]
   uint64_t* full = reinterpret_cast<uint64_t*>(Ls + kKfStages * kChunk);
   uint64_t* empty = full + kKfStages;
   uint64_t* kv_full = empty + kKfStages;  // the tile's v (with its first Kt)
@@ -66,6 +77,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   uint64_t* kt_empty = kt_full + 1;
   PsPipe ps{kt_empty + 1, kt_empty + 2, PSs};
   constexpr int kWarps = kKfThreads / 32;
+  __shared__ float hred[kWarps];  // kFuse: the warps' largest |h| at a crossing
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKfStages; ++st) {
       mbar_init(&full[st], 1);
@@ -204,13 +216,119 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int kt = 0; kt < V / 16; ++kt) wg_ss<T, 0, 0>(dp, va + a_off(kt), db + k_off(kt), kt > 0);
       wg_commit();
     };
+    // kFuse: dq (64 query rows x this warpgroup's K / 2 features, 64 wg .. or 32 wg ..) = dS kt_a for item n,
+    // over all 128 keys: A = dS from Dss[n & 1] (M-major), B = Kt (N-major).
+    constexpr int kDqN = K / 16;  // n-blocks of 8 a warpgroup
+    float dq[kDqN][4];
+    auto issue_dq = [&](uint32_t n) {
+      if constexpr (kFuse) {
+        const char* a0 = reinterpret_cast<const char*>(Dss + (n & 1) * kKfKeys * kChunk);
+        const char* b0 = reinterpret_cast<const char*>(Kt) + (K == 128 ? wg * kKfKeys * 128 : wg * 64);
+#pragma unroll
+        for (int k = 0; k < kKfKeys / 16; ++k)
+          wg_ss<T, 1, 1>(dq, smem_desc_sw128(a0 + k * 16 * 128, kKfKeys * 128, 1024),
+                         smem_desc_sw128(b0 + k * 16 * 128, kKfKeys * 128, 1024), k > 0);
+      }
+    };
     auto issue_acc = [&](uint32_t n) {
       const uint64_t dn = stage_nmaj(Ds, n), qn = stage_nmaj(Qs, n);
+      issue_dq(n);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(dv, pa[kt], dn + n_off(kt));
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(hk, dsa[kt], qn + n_off(kt));
       wg_commit();
+    };
+    // kFuse: item n's dq into dqt (fp32 vector reductions; rows past the sequence skipped), once waited for.
+    auto add_dq = [&](uint32_t n) {
+      if constexpr (kFuse) {
+        fence_regs(dq);
+        const int j = int(n - n_q), qc = chunk_of(j), hq = h * p.group + j % p.group;
+        float* dst = p.dqt + ((seq_tok0 + int64_t(qc) * kChunk) * p.HQ + hq) * K;
+#pragma unroll
+        for (int nt = 0; nt < kDqN; ++nt)
+          red_add_frag_v4(dst, p.HQ * K, 16 * (warp & 3), (K / 2) * wg + 8 * nt, dq[nt], 1.f, ch.len - qc * kChunk);
+      }
+    };
+    // kFuse: this warp's dS^T rows of item n (its packed fragments) into Dss[n & 1], 128-byte swizzled rows of 64
+    // query rows.
+    auto stage_ds = [&](uint32_t n) {
+      if constexpr (kFuse) {
+        T* buf = Dss + (n & 1) * kKfKeys * kChunk;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = 16 * warp + g + 8 * hr;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int c = 8 * nt + 2 * t4;
+            *reinterpret_cast<uint32_t*>(buf + r * 64 + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7))) =
+                dsa[nt / 2][(nt & 1) * 2 + hr];
+          }
+        }
+        fence_async_smem();
+      }
+    };
+    // kFuse, at the crossing into superblock a: h (the gradient w.r.t. kt_{a+1}, complete) staged over Dss in the
+    // input type, scaled by one power of two for the tile (its largest entry into [0.5, 1)); returns the scale
+    // back. Every warp must be done with Dss (its last item's dq) first.
+    auto stage_h = [&]() -> float {
+      float mx = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(hk[nt][e]));
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if (lane == 0) hred[warp] = mx;
+      __syncthreads();  // hred; every warp is done with Dss
+      mx = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, hred[w]);
+      int ex = 0;
+      frexpf(mx, &ex);
+      ex = max(ex, kMinScaleExp);
+      const float down = ldexpf(1.f, -ex);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = 16 * warp + g + 8 * hr;
+#pragma unroll
+        for (int nt = 0; nt < K / 8; ++nt) {
+          const int c = 8 * nt + 2 * t4, cc = c % 64;
+          T* dst = Dss + (c / 64) * kKfKeys * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7));
+          *reinterpret_cast<uint32_t*>(dst) = Pack2<T>::pack(hk[nt][2 * hr] * down, hk[nt][2 * hr + 1] * down);
+        }
+      }
+      fence_async_smem();
+      return ldexpf(1.f, ex);
+    };
+    // kFuse: dPS_a += h^T kt_a (kt_{a+1} = kt_a PS_a^T), A = the staged h (M-major), B = Kt (N-major): K = 128,
+    // warpgroup wg takes the rows 64 wg .. over all keys, in two 64-column halves; K = 64, all of it over the
+    // warpgroup's own keys (both add). fp32 vector reductions into dps.
+    auto add_dps = [&](int a, float up) {
+      __syncthreads();  // every warp's part of the staged h
+      float* dst = p.dps + (int64_t(ch.sfirst + a) * p.H + h) * K * K;
+      const int mb = K == 128 ? wg : 0, k0 = K == 128 ? 0 : 4 * wg;
+      constexpr int nks = K == 128 ? 8 : 4;
+#pragma unroll 1
+      for (int nh = 0; nh < KB; ++nh) {
+        float d[8][4];
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < nks; ++k) {
+          const int kx = k0 + k;
+          wg_ss<T, 1, 1>(d, smem_desc_sw128(reinterpret_cast<const char*>(Dss + mb * kKfKeys * 64) + kx * 16 * 128,
+                                            kKfKeys * 128, 1024),
+                         smem_desc_sw128(reinterpret_cast<const char*>(Kt + nh * kKfKeys * 64) + kx * 16 * 128,
+                                         kKfKeys * 128, 1024),
+                         k > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(d);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, mb * 64 + 16 * (warp & 3), nh * 64 + 8 * nt, d[nt], up);
+      }
+      __syncthreads();  // every warp is done reading the staged h (the next dS^T goes there)
     };
     auto pds = [&](uint32_t n) {  // P^T into s, scale dS^T into dp (columns are query rows)
       const float2* l2 = Ls + (n % kKfStages) * kChunk;
@@ -252,14 +370,16 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       __syncwarp();
       const uint32_t n = n_q + uint32_t(j);
       mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
+      if constexpr (kFuse) __syncthreads();  // every warp's dS^T of the item before is staged
       fence_regs(s, dp, dv, hk, pa, dsa);
       wg_fence();
     };
-    auto acc_alone = [&](uint32_t n) {  // dv, h of item n, waited for, its stage released
+    auto acc_alone = [&](uint32_t n) {  // dv, h (and dq) of item n, waited for, its stage released
       issue_acc(n);
       wg_wait<0>();
       fence_regs(dv, hk, pa, dsa);
       release_q(n);
+      add_dq(n);
     };
     auto scores_alone = [&](uint32_t n) {
       wg_fence();
@@ -269,6 +389,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       pds(n);
       pack_frags<T, 4>(pa, s);
       pack_frags<T, 4>(dsa, dp);
+      stage_ds(n);
     };
 #pragma unroll 1
     for (int a = last_sb; a > sbk; --a) {
@@ -281,10 +402,13 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           mbar_expect_tx(kt_full, uint32_t(kKfKeys * K * 2));
           issue_kt(a, kt_full);
         }
+        float up = 1.f;
+        if constexpr (kFuse) up = stage_h();  // dPS_a takes h before the crossing
         cross_h();
         if (threadIdx.x == 0 && a > sbk + 1) issue_ps(n1 + (last_sb - 1 - a) + 1);
         mbar_wait(kt_full, n_kt & 1);
         ++n_kt;
+        if constexpr (kFuse) add_dps(a, up);
       }
       wait_item(j0);
       scores_alone(n_q + uint32_t(j0));
@@ -301,20 +425,27 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           wg_wait<0>();
           release_q(n - 1);
           fence_regs(dv, hk, pa, dsa);
+          add_dq(n - 1);
           pack_frags<T, 4>(pa, s);
           pack_frags<T, 4>(dsa, dp);
+          stage_ds(n);
         } else {
           acc_alone(n - 1);
           scores_alone(n);
         }
       }
-      if (a > sbk + 1) {  // this warp's last read of kt_a
+      if (!kFuse && a > sbk + 1) {  // this warp's last read of kt_a
         __syncwarp();
         if (lane == 0) mbar_arrive(kt_empty);
       }
+      if constexpr (kFuse) __syncthreads();  // every warp's dS^T of the last item is staged
       fence_regs(dv, hk, pa, dsa);
       wg_fence();
       acc_alone(n_q + uint32_t(j1) - 1);
+      if (kFuse && a > sbk + 1) {  // this warp's last read of kt_a (the last item's dq)
+        __syncwarp();
+        if (lane == 0) mbar_arrive(kt_empty);
+      }
     }
     n_q += uint32_t(nit);
     // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys (rows of full chunks).
@@ -327,8 +458,9 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         float2* dvr = reinterpret_cast<float2*>(p.dvk + row * V + 8 * nt + 2 * t4);
         const float2 x = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
         // dvk is dvdiag (MHA): added to bwd_q's diagonal part without waiting for it (a reduction, no load; the
-        // one add to each element, so the result is deterministic).
-        if (p.dvk_merged()) atomicAdd(dvr, x);
+        // one add to each element, so the result is deterministic). kFuse runs before bwd_q's last launch, which
+        // adds its part to this one.
+        if (!kFuse && p.dvk_merged()) atomicAdd(dvr, x);
         else *dvr = x;
       }
     }
@@ -354,10 +486,13 @@ __global__ void build_lsd_kernel(const KernelParams p, float2* lsd) {
 template <typename T, int K>
 cudaError_t far_t(const KernelParams& p, const KfMaps& mp, int nitems, int grid, cudaStream_t s) {
   if (p.gate)
-    return launch_with_smem(bwd_k_far_kernel<T, K, true>, dim3(unsigned(grid)), kKfThreads, KfSmem<K>::bytes, s, p,
-                            mp, nitems);
-  return launch_with_smem(bwd_k_far_kernel<T, K, false>, dim3(unsigned(grid)), kKfThreads, KfSmem<K>::bytes, s, p,
-                          mp, nitems);
+    return launch_with_smem(bwd_k_far_kernel<T, K, true, false>, dim3(unsigned(grid)), kKfThreads,
+                            KfSmem<K, false>::bytes, s, p, mp, nitems);
+  if (p.kfuse)
+    return launch_with_smem(bwd_k_far_kernel<T, K, false, true>, dim3(unsigned(grid)), kKfThreads,
+                            KfSmem<K, true>::bytes, s, p, mp, nitems);
+  return launch_with_smem(bwd_k_far_kernel<T, K, false, false>, dim3(unsigned(grid)), kKfThreads,
+                          KfSmem<K, false>::bytes, s, p, mp, nitems);
 }
 
 }  // namespace
@@ -366,7 +501,7 @@ bool bwd_k_far_usable(const KernelParams& p) {
   if (!p.path || (p.gate && !p.dgq) || p.K != p.V || (p.K != 64 && p.K != 128)) return false;
   if (!tma_aligned(p.v, p.v_s) || !tma_aligned(p.dout, p.do_s)) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
-  return far_device_ok(KfSmem<128>::bytes);
+  return far_device_ok(KfSmem<128, false>::bytes);
 }
 
 

@@ -10,6 +10,7 @@
 //          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
 // With p.qfar (bwd_q_far.cu does the far superblocks on Hopper) it runs twice: qfar = 1 writes qhat and stops;
 // qfar = 2 (after bwd_q_far) parks only the own superblock's states and starts pass 2's chain there from dqt.
+// With p.kfuse bwd_k_far takes bwd_q_far's part (dq into dqt, zeroed here by the qhat launch), between the two.
 // The last launch is the last reader of qtl (fp32): once a warp has read its rows it leaves q~ there in the input
 // type, in each row's first half, which bwd_k loads by cp.async as its score operand.
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 reductions, or,
@@ -189,6 +190,11 @@ struct BwdQ {
 #pragma unroll
           for (int nt = 0; nt < K / 8; ++nt)
             *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = Pack2<T>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+          if (p.kfuse) {  // dqt's rows start at zero: bwd_k_far adds the far pairs' dS kt into them
+            float* dz = p.dqt + ((tokq0 + rr[hr]) * p.HQ + hq) * K;
+#pragma unroll
+            for (int nt = 0; nt < K / 8; ++nt) *reinterpret_cast<float2*>(dz + 8 * nt + 2 * t4) = make_float2(0.f, 0.f);
+          }
         }
         for (int sb = sbq - 1; sb >= 0 && p.qfar == 0; --sb) {
           park(p.sc + sb);
@@ -261,7 +267,9 @@ struct BwdQ {
                 make_float2(p.scale * ds0, p.scale * ds1);
         }
       __syncthreads();
-      // dv_diag = P^T dO: warp w takes keys 16w..16w+15.
+      // dv_diag = P^T dO: warp w takes keys 16w..16w+15. With kfuse and MHA, bwd_k_far ran first and stored the
+      // far part of dv into these rows where the sequence goes on past their superblock: added to it.
+      const bool dv_on_far = p.kfuse && p.dvk_merged() && ((ch.len + kChunk - 1) / kChunk - 1) / p.sc > qc / p.sc;
       float dv[1][V / 8][4];
       zero_acc(dv);
       warp_mma_ss<T, 1, V / 8, true, true>(dv, Ps, LP, 16 * warp, dOs, LV, 0, kChunk);
@@ -271,8 +279,20 @@ struct BwdQ {
         if (j >= nq) continue;
         float* dst = p.dvdiag + ((tokq0 + j) * p.HQ + hq) * V;
 #pragma unroll
-        for (int nt = 0; nt < V / 8; ++nt)
-          *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(dv[0][nt][2 * hr], dv[0][nt][2 * hr + 1]);
+        for (int nt = 0; nt < V / 8; ++nt) {
+          const float2 x = make_float2(dv[0][nt][2 * hr], dv[0][nt][2 * hr + 1]);
+          float2* d2 = reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4);
+          if (dv_on_far) {  // a reduction: no load whose latency the item would wait for
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(d2, x);
+#else
+            atomicAdd(&d2->x, x.x);
+            atomicAdd(&d2->y, x.y);
+#endif
+          } else {
+            *d2 = x;
+          }
+        }
       }
       // Gate terms of the diagonal: + row sums, - column sums (fixed order: deterministic).
       if (threadIdx.x < kChunk) {

@@ -77,6 +77,8 @@ __device__ __forceinline__ void fence_regs(A& a, B& b, R&... rest) {
 // (16 x N, type E) from the descriptor db; TNSPB = 1 reads B stored N-contiguous ([k][n]). acc = 0 ignores d's
 // old values (no instruction has to zero it first). The accumulator operands are spelled out for each N.
 #define PA_WG_D8(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define PA_WG_D32 PA_WG_D8(0), PA_WG_D8(1), PA_WG_D8(2), PA_WG_D8(3)
+#define PA_WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define PA_WG_D64 PA_WG_D8(0), PA_WG_D8(1), PA_WG_D8(2), PA_WG_D8(3), PA_WG_D8(4), PA_WG_D8(5), PA_WG_D8(6), PA_WG_D8(7)
 #define PA_WG_D128                                                                                              \
   PA_WG_D64, PA_WG_D8(8), PA_WG_D8(9), PA_WG_D8(10), PA_WG_D8(11), PA_WG_D8(12), PA_WG_D8(13), PA_WG_D8(14), \
@@ -129,8 +131,18 @@ __device__ __forceinline__ void wg_ss(float (&d)[8][4], uint64_t da, uint64_t db
             ("l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB)));
 #endif
 }
+// d (64 x 32) += A B, both from shared memory (as wg_ss).
+template <typename E, int TNSPA, int TNSPB>
+__device__ __forceinline__ void wg_ss(float (&d)[4][4], uint64_t da, uint64_t db, int acc = 1) {
+#ifdef PA_SM90A
+  PA_WG_MMA(E, "%18", "m64n32k16", PA_WG_R16, "%16, %17, p, 1, 1, %19, %20", (PA_WG_D32),
+            ("l"(da), "l"(db), "r"(acc), "n"(TNSPA), "n"(TNSPB)));
+#endif
+}
 #undef PA_WG_MMA
 #undef PA_UNPAREN
+#undef PA_WG_D32
+#undef PA_WG_R16
 #undef PA_WG_D8
 #undef PA_WG_D64
 #undef PA_WG_D128

@@ -114,6 +114,8 @@ struct KernelParams {
   bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
   int qfar;         // the query side split around bwd_q_far: 0 no split; 1 bwd_q writes qhat only; 2 bwd_q runs
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
+  bool kfuse;       // bwd_k_far takes the query side's far part too (dq by reductions into dqt, which bwd_q's qhat
+                    // launch zeroes; dPS from the key chain) and runs before bwd_q's last launch; no bwd_q_far
   bool deterministic;
   bool dgq;         // the gate's column sums of dS come from the query side (bwd_q, bwd_q_far: atomics into
                     // dgcol; deterministic mode: bwd_q alone, ordered adds), not bwd_k; required for the far

@@ -366,6 +366,16 @@ void on_both_far_paths(F body) {
   unsetenv("PATHATTN_CUDA_FAR");
 }
 
+// The backward both ways and, on Hopper, with the far part as one kernel (the default where the gate is off and
+// the mode is not deterministic: bwd_k_far takes dq and dPS too) and as two (PATHATTN_CUDA_FAR_FUSE=0).
+template <class F>
+void on_the_backward_far_paths(F body) {
+  on_both_far_paths(body);
+  setenv("PATHATTN_CUDA_FAR_FUSE", "0", 1);
+  body();
+  unsetenv("PATHATTN_CUDA_FAR_FUSE");
+}
+
 TEST(CudaBackend, ForwardFarPathAndScanOnly) {
   REQUIRE_GPU();
   on_both_far_paths([] {
@@ -379,14 +389,14 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
   });
 }
 
-// The backward's far parts (bwd_q_far and bwd_k_far on Hopper, else the scans alone) against the oracle, both
-// ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's or sequence's rows
-// in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to four superblocks
-// crossed, beta = 2 and near 2, the gate (the far kernels take it where a sequence is longer than 2048 tokens;
-// the far query kernel takes the gate's row and column sums of dS).
+// The backward's far parts (bwd_k_far alone or with bwd_q_far on Hopper, else the scans alone) against the
+// oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
+// or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
+// four superblocks crossed, beta = 2 and near 2, the gate (the far kernels take it where a sequence is longer
+// than 2048 tokens; the far query kernel takes the gate's row and column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
-  on_both_far_paths([] {
+  on_the_backward_far_paths([] {
     check_case(mk(1600, 4, 2, 64, 64, false, BetaMode::uniform02, DType::bf16, 94), true, {}, true);
     check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 95), true, {}, true);
     CaseSpec s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 96);
