@@ -271,36 +271,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // kFuse, at the crossing into superblock a: h (the gradient w.r.t. kt_{a+1}, complete) staged over Dss in the
     // input type, scaled by one power of two for the tile (its largest entry into [0.5, 1)); returns the scale
     // back. Every warp must be done with Dss (its last item's dq) first.
-    auto stage_h = [&]() -> float {
-      float mx = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(hk[nt][e]));
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      if (lane == 0) hred[warp] = mx;
-      __syncthreads();  // hred; every warp is done with Dss
-      mx = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, hred[w]);
-      int ex = 0;
-      frexpf(mx, &ex);
-      ex = max(ex, kMinScaleExp);
-      const float down = ldexpf(1.f, -ex);
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = 16 * warp + g + 8 * hr;
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt) {
-          const int c = 8 * nt + 2 * t4, cc = c % 64;
-          T* dst = Dss + (c / 64) * kKfKeys * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7));
-          *reinterpret_cast<uint32_t*>(dst) = Pack2<T>::pack(hk[nt][2 * hr] * down, hk[nt][2 * hr + 1] * down);
-        }
-      }
-      fence_async_smem();
-      return ldexpf(1.f, ex);
-    };
+    auto stage_h = [&]() { return stage_tile_scaled<T, K>(hk, Dss, hred); };
     // kFuse: dPS_a += h^T kt_a (kt_{a+1} = kt_a PS_a^T), A = the staged h (M-major), B = Kt (N-major): K = 128,
     // warpgroup wg takes the rows 64 wg .. over all keys, in two 64-column halves; K = 64, all of it over the
     // warpgroup's own keys (both add). fp32 vector reductions into dps.

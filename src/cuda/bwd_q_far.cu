@@ -278,37 +278,12 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
 
     for (int sb = 0; sb < S; ++sb) {
       if (sb > 0) {
-        // gbar staged in the input type, scaled by one power of two for the tile (its largest entry into [0.5, 1)).
-        float mx = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(gq[nt][e]));
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if (lane == 0) red[warp] = mx;
-        __syncthreads();  // red; and every warp is past the previous crossing's reads of Gs
-        mx = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
-        int ex = 0;
-        frexpf(mx, &ex);
-        ex = max(ex, kMinScaleExp);
-        const float down = ldexpf(1.f, -ex);
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int r = 16 * warp + g + 8 * hr;  // row within the tile
-#pragma unroll
-          for (int nt = 0; nt < K / 8; ++nt) {
-            const int c = 8 * nt + 2 * t4, cc = c % 64;
-            T* dst = Gs + (c / 64) * kQfRows * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7));
-            *reinterpret_cast<uint32_t*>(dst) = Pack2<T>::pack(gq[nt][2 * hr] * down, gq[nt][2 * hr + 1] * down);
-          }
-        }
-        fence_async_smem();
+        // gbar staged in the input type, one power of two for the tile (every warp is past the previous crossing's
+        // reads of Gs).
+        const float up = stage_tile_scaled<T, K>(gq, Gs, red);
         mbar_wait(qt_full, n_qt & 1);
         __syncthreads();  // Gs written by every warp
-        add_dps(sb, ldexpf(1.f, ex));
+        add_dps(sb, up);
       } else {
         mbar_wait(qt_full, n_qt & 1);
       }

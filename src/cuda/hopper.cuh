@@ -243,6 +243,46 @@ __device__ __forceinline__ void ps_product(float (&x)[K / 8][4], const __half* P
   }
 }
 
+// The backward's far kernels' 128 x K fp32 tile (256 threads; warp w's rows 16 w .. in the C layout) staged in
+// shared memory in the 16-bit type T for a wgmma over its rows (dPS: the query side's gbar, the key side's h),
+// scaled by one power of two for the tile (its largest entry into [0.5, 1)), as column blocks of 128 rows x 64
+// with the 128-byte swizzle (as TMA writes them). `red` holds the 8 warps' maxima. Begins with a CTA barrier
+// (every warp is past the callers' earlier reads of dst), ends with the stores made visible to wgmma (a barrier
+// is still needed before one reads another warp's rows). Returns the scale back.
+template <typename T, int K>
+__device__ __forceinline__ float stage_tile_scaled(const float (&x)[K / 8][4], T* dst, float* red) {
+  constexpr int kRows = 128;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float mx = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(x[nt][e]));
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = 0.f;
+#pragma unroll
+  for (int w = 0; w < kRows / 16; ++w) mx = fmaxf(mx, red[w]);
+  int ex = 0;
+  frexpf(mx, &ex);
+  ex = max(ex, kMinScaleExp);
+  const float down = ldexpf(1.f, -ex);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = 16 * warp + g + 8 * hr;  // row within the tile
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      const int c = 8 * nt + 2 * t4, cc = c % 64;
+      T* d = dst + (c / 64) * kRows * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7));
+      *reinterpret_cast<uint32_t*>(d) = Pack2<T>::pack(x[nt][2 * hr] * down, x[nt][2 * hr + 1] * down);
+    }
+  }
+  fence_async_smem();
+  return ldexpf(1.f, ex);
+}
+
 // A warp's 16 rows (from row0) x (16 KT) columns of a 16-bit tile in shared memory as TMA writes it (column blocks
 // of `rows` rows x 64, 128-byte swizzle, 1024-byte aligned) as KT m16n8k16 A fragments, by ldmatrix.
 template <int KT>
