@@ -283,19 +283,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #pragma unroll 1
       for (int nh = 0; nh < KB; ++nh) {
         float d[8][4];
-        wg_fence();
-#pragma unroll
-        for (int k = 0; k < nks; ++k) {
-          const int kx = k0 + k;
-          wg_ss<T, 1, 1>(d, smem_desc_sw128(reinterpret_cast<const char*>(Dss + mb * kKfKeys * 64) + kx * 16 * 128,
-                                            kKfKeys * 128, 1024),
-                         smem_desc_sw128(reinterpret_cast<const char*>(Kt + nh * kKfKeys * 64) + kx * 16 * 128,
-                                         kKfKeys * 128, 1024),
-                         k > 0);
-        }
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(d);
+        wg_rows_outer<T>(d, Dss, mb, Kt, nh, k0, nks);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, mb * 64 + 16 * (warp & 3), nh * 64 + 8 * nt, d[nt], up);
       }

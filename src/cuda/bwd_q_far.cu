@@ -237,19 +237,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
 #pragma unroll 1
       for (int nh = 0; nh < KB; ++nh) {
         float d[8][4];
-        wg_fence();
-#pragma unroll
-        for (int k = 0; k < nks; ++k) {
-          const int ksx = ks0 + k;
-          const uint64_t da_ = smem_desc_sw128(reinterpret_cast<const char*>(Qt + mb * kQfRows * 64) + ksx * 16 * 128,
-                                               kQfRows * 128, 1024);
-          const uint64_t db_ = smem_desc_sw128(reinterpret_cast<const char*>(Gs + nh * kQfRows * 64) + ksx * 16 * 128,
-                                               kQfRows * 128, 1024);
-          wg_ss<T, 1, 1>(d, da_, db_, k > 0);
-        }
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(d);
+        wg_rows_outer<T>(d, Qt, mb, Gs, nh, ks0, nks);
         bool reduce = true;
         if constexpr (K == 64) {
           // Both warpgroups hold a 64 x 64 partial over their own rows: warpgroup 0 sums rows 0-31 of the two,

@@ -283,6 +283,26 @@ __device__ __forceinline__ float stage_tile_scaled(const float (&x)[K / 8][4], T
   return ldexpf(1.f, ex);
 }
 
+// d (64 x 64) = A^T B summed over rows 16 k0 .. 16 (k0 + nks) - 1 of two 128-row tiles in shared memory
+// (column blocks of 128 rows x 64, 128-byte swizzle, as stage_tile_scaled and TMA write them): A's column block
+// ma gives d's rows (M-major), B's column block nb its columns (N-major). The far kernels' dPS products, issued,
+// committed and waited for.
+template <typename T>
+__device__ __forceinline__ void wg_rows_outer(float (&d)[8][4], const T* A, int ma, const T* B, int nb, int k0,
+                                              int nks) {
+  constexpr int kRows = 128;
+  const char* a = reinterpret_cast<const char*>(A + ma * kRows * 64);
+  const char* b = reinterpret_cast<const char*>(B + nb * kRows * 64);
+  wg_fence();
+#pragma unroll
+  for (int k = 0; k < nks; ++k)
+    wg_ss<T, 1, 1>(d, smem_desc_sw128(a + (k0 + k) * 16 * 128, kRows * 128, 1024),
+                   smem_desc_sw128(b + (k0 + k) * 16 * 128, kRows * 128, 1024), k > 0);
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(d);
+}
+
 // A warp's 16 rows (from row0) x (16 KT) columns of a 16-bit tile in shared memory as TMA writes it (column blocks
 // of `rows` rows x 64, 128-byte swizzle, 1024-byte aligned) as KT m16n8k16 A fragments, by ldmatrix.
 template <int KT>
