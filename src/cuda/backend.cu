@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -405,18 +406,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // the gate, ms, far kernels / bwd_q and bwd_k alone) K = 64 T = 1k 13.73 / 13.37, 4k 24.17 / 24.08, 16k 60.5 /
   // 66.9; K = 128 T = 1k 13.87 / 13.81, 4k 23.27 / 25.01, 16k 57.8 / 69.2 (dev/cuda/NOTES.md v3.35).
   const bool far = far_worth_it(kp, t) && (!pr.gate || longer_than_four_superblocks(pr));
-  const bool kfar_ok = far && bwd_k_far_usable(kp);
   if (far && bwd_q_far_usable(kp)) {
     qfar_tiles = far_query_tiles(t, kp.sc);
     for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kp.sc);
   }
-  // One far kernel for both sides (bwd_k_far with kfuse: dq by reductions into dqt, dPS from the key chain;
-  // dev/cuda/NOTES.md v3.39) where both far kernels would run, without the gate (its dS sums are the query
-  // side's) and not in deterministic mode (reductions). PATHATTN_CUDA_FAR_FUSE=0 keeps the two kernels.
-  const char* fuse_env = std::getenv("PATHATTN_CUDA_FAR_FUSE");
-  kp.kfuse = kfar_ok && !qfar_tiles.empty() && !pr.gate && !p.deterministic &&
-             !(fuse_env != nullptr && std::string(fuse_env) == "0");
-  if (kfar_ok) {
+  if (far && bwd_k_far_usable(kp)) {
     std::vector<int> work;
     for (size_t i = 0; i < t.chunks.size(); ++i) {
       const ChunkDesc& c = t.chunks[i];
@@ -428,6 +422,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     }
     kfar_tiles = order_far_tiles(std::move(kfar_tiles), work);
   }
+  // One far kernel for both sides (bwd_k_far with kfuse: dq by reductions into dqt, dPS from the key chain;
+  // dev/cuda/NOTES.md v3.39) where both far kernels would run and it can (not with the gate, whose dS sums are
+  // the query side's, nor in deterministic mode). PATHATTN_CUDA_FAR_FUSE=0 keeps the two kernels.
+  const char* fuse_env = std::getenv("PATHATTN_CUDA_FAR_FUSE");
+  kp.kfuse = !qfar_tiles.empty() && !kfar_tiles.empty() && bwd_k_far_fusable(kp) &&
+             !(fuse_env != nullptr && std::strcmp(fuse_env, "0") == 0);
   // bwd_q / bwd_k park the states at earlier (later) superblocks' ends only where the far kernels do not take
   // those superblocks: with both far kernels, a CTA parks its own superblock's chunks alone.
   kp.scratch_slots =
@@ -516,12 +516,13 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   PA_CU(launch_bwd_q(kp, dt, gq, q_items, counters + 3, s));
   prof.mark("bwd_q");
-  if (!kfar_tiles.empty() && !kp.kfuse) {
-    PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
-    prof.mark("bwd_k_far");
+  if (!kfar_tiles.empty()) {  // (with kfuse it ran before bwd_q)
+    if (!kp.kfuse) {
+      PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
+      prof.mark("bwd_k_far");
+    }
     kp.kfar = true;
   }
-  if (kp.kfuse) kp.kfar = true;
   PA_CU(launch_bwd_k(kp, dt, gk, counters + 4, s));
   prof.mark("bwd_k");
   PA_CU(launch_super_bwd(kp, dt, sb_rows, sb_grid, s));

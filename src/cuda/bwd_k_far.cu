@@ -268,10 +268,6 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         fence_async_smem();
       }
     };
-    // kFuse, at the crossing into superblock a: h (the gradient w.r.t. kt_{a+1}, complete) staged over Dss in the
-    // input type, scaled by one power of two for the tile (its largest entry into [0.5, 1)); returns the scale
-    // back. Every warp must be done with Dss (its last item's dq) first.
-    auto stage_h = [&]() { return stage_tile_scaled<T, K>(hk, Dss, hred); };
     // kFuse: dPS_a += h^T kt_a (kt_{a+1} = kt_a PS_a^T), A = the staged h (M-major), B = Kt (N-major): K = 128,
     // warpgroup wg takes the rows 64 wg .. over all keys, in two 64-column halves; K = 64, all of it over the
     // warpgroup's own keys (both add). fp32 vector reductions into dps.
@@ -309,6 +305,10 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     };
     // h <- h PS_a, each row of h scaled into fp16's range first (gradients may lie far below it).
     auto cross_h = [&]() { ps.apply<K, false, true>(hk); };
+    auto release_kt = [&]() {  // this warp's last read of kt_a
+      __syncwarp();
+      if (lane == 0) mbar_arrive(kt_empty);
+    };
     auto release_q = [&](uint32_t n) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[n % kKfStages]);
@@ -361,8 +361,10 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           mbar_expect_tx(kt_full, uint32_t(kKfKeys * K * 2));
           issue_kt(a, kt_full);
         }
+        // kFuse: h (the gradient w.r.t. kt_{a+1}, complete) staged over Dss for dPS_a before the crossing, once
+        // every warp is done with Dss (its last item's dq).
         float up = 1.f;
-        if constexpr (kFuse) up = stage_h();  // dPS_a takes h before the crossing
+        if constexpr (kFuse) up = stage_tile_scaled<T, K>(hk, Dss, hred);
         cross_h();
         if (threadIdx.x == 0 && a > sbk + 1) issue_ps(n1 + (last_sb - 1 - a) + 1);
         mbar_wait(kt_full, n_kt & 1);
@@ -393,18 +395,12 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           scores_alone(n);
         }
       }
-      if (!kFuse && a > sbk + 1) {  // this warp's last read of kt_a
-        __syncwarp();
-        if (lane == 0) mbar_arrive(kt_empty);
-      }
+      if (!kFuse && a > sbk + 1) release_kt();
       if constexpr (kFuse) __syncthreads();  // every warp's dS^T of the last item is staged
       fence_regs(dv, hk, pa, dsa);
       wg_fence();
       acc_alone(n_q + uint32_t(j1) - 1);
-      if (kFuse && a > sbk + 1) {  // this warp's last read of kt_a (the last item's dq)
-        __syncwarp();
-        if (lane == 0) mbar_arrive(kt_empty);
-      }
+      if (kFuse && a > sbk + 1) release_kt();  // (after the last item's dq)
     }
     n_q += uint32_t(nit);
     // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys (rows of full chunks).
@@ -461,6 +457,10 @@ bool bwd_k_far_usable(const KernelParams& p) {
   if (!tma_aligned(p.v, p.v_s) || !tma_aligned(p.dout, p.do_s)) return false;
   if (int64_t(p.B) * p.T >= (int64_t(1) << 31) || int64_t(p.B) * p.T * p.HQ * p.K >= (int64_t(1) << 40)) return false;
   return far_device_ok(KfSmem<128, false>::bytes);
+}
+
+bool bwd_k_far_fusable(const KernelParams& p) {
+  return !p.gate && !p.deterministic && bwd_k_far_usable(p) && far_device_ok(KfSmem<128, true>::bytes);
 }
 
 

@@ -62,8 +62,10 @@ cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int nt
 // table index, most work first; lsd: [HQ][nchunks][64] float2 (filled here); the parked key states go to p.scratch (bwd_k_far_park_elems 16-bit elements, park_slots
 // states a CTA: the most superblocks any tile's keys cross, last_sb - sbk - 1, at least 1); grid from
 // far_grid; `next` a zeroed int (its item counter). bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
-// (no gate).
+// (no gate). bwd_k_far_fusable: also with p.kfuse (the query side's far part too: no gate, not deterministic,
+// and the device's shared memory holds the dS^T buffers).
 bool bwd_k_far_usable(const KernelParams& p);
+bool bwd_k_far_fusable(const KernelParams& p);
 // One CTA per SM for `items` items of the persistent far kernels (0 without a device).
 int far_grid(int64_t items);
 size_t bwd_k_far_park_elems(int grid, int park_slots, int K);
