@@ -31,6 +31,8 @@ namespace pathattn::cuda {
 namespace {
 
 constexpr int kBwdThreads = 128;  // 4 warps x 16 rows, as in the forward
+// Floats of a CTA's colscr: the deterministic mode's gate column sums, 64 a warp and key chunk of a superblock.
+__host__ __device__ constexpr size_t colscr_per_cta(int sc) { return size_t(kBwdThreads / 32) * sc * kChunk; }
 static_assert(kBwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
 
 // Deterministic mode's tickets: `ticket` counts the adds done into one sum; the CTA's item is the rank-th.
@@ -388,7 +390,7 @@ struct BwdQ {
     // slot kc % sc; flush_cols adds `n` slots' sums, the warps' in order, to the key tokens from ktok0 on once the
     // earlier items of this sequence and query head (the later query chunks, which all score these keys) have
     // added theirs: a ticket per (key chunk, query head) for dgcol, per (superblock, query head) for dgcolf.
-    float* const colscr = kDetCols ? p.colscr + size_t(blockIdx.x) * (kBwdThreads / 32) * p.sc * kChunk : nullptr;
+    float* const colscr = kDetCols ? p.colscr + blockIdx.x * colscr_per_cta(p.sc) : nullptr;
     auto flush_cols = [&](float* dst, int64_t ktok0, int slot0, int n, int* ticket, int rank) {
       ticket_wait(ticket, rank);  // (a block barrier: every warp's sums are in colscr)
       for (int c = threadIdx.x; c < n * kChunk; c += kBwdThreads) {
@@ -704,6 +706,6 @@ int bwd_q_max_grid(const KernelParams& p, int dtype) {
   return dtype == 0 ? grid_dispatch<__half>(p) : grid_dispatch<__nv_bfloat16>(p);
 }
 
-size_t bwd_q_colscr_elems(int grid, int sc) { return size_t(grid) * (kBwdThreads / 32) * sc * kChunk; }
+size_t bwd_q_colscr_elems(int grid, int sc) { return size_t(grid) * colscr_per_cta(sc); }
 
 }  // namespace pathattn::cuda
