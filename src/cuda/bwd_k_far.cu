@@ -11,10 +11,10 @@
 // h at the own superblock's end is dks (bwd_k's far result), and bwd_k (with p.kfar) continues from dks and
 // dv. With p.kfuse (kFuse; no gate, not deterministic) it takes the query side's far part too, so that no
 // bwd_q_far runs: per item dq = dS kt_a (the gradient w.r.t. qhat, the frame bwd_q's last launch starts from)
-// by fp32 vector reductions into dqt, from dS^T staged in shared memory (each warpgroup K / 2 features over all
-// 128 keys), and at each crossing dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a
-// tile, as bwd_q_far stages gbar); it then runs before bwd_q's last launch, which adds its diagonal dv to
-// this one's (dev/cuda/NOTES.md v3.39).
+// into dqt, from dS^T staged in shared memory (each warpgroup K / 2 features over all 128 keys), the fp32 tile
+// staged over the item's spent query stage and added by TMA reductions (v3.40), and at each crossing
+// dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a tile, as bwd_q_far stages gbar);
+// it then runs before bwd_q's last launch, which adds its diagonal dv to this one's (dev/cuda/NOTES.md v3.39).
 // Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
 // mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, built below). Every output row
 // has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
@@ -40,6 +40,7 @@ struct KfMaps {
   CUtensorMap qhat;  // [NT][HQ][K]: 64 columns x 64 query rows
   CUtensorMap dout;  // [B][T][HQ][V] with dO's strides: 64 columns x 64 query rows
   CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
+  CUtensorMap dqt;   // kFuse: [NT][HQ][K] fp32, the reductions' target: 32 columns x 64 query rows
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
   int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
   const float2* lsd;     // [HQ][nchunks][64] (lse in base 2, delta) per query row; +inf past the sequence
@@ -145,6 +146,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     };
     // Producer: query item j (qhat, dO, scalars) into stage n_q + j.
     auto issue_q = [&](int j) {
+      if constexpr (kFuse) bulk_wait<0, true>();  // the stage is read by dq's reduction (add_dq)
       const uint32_t n = n_q + uint32_t(j);
       const int st = int(n % kKfStages);
       if (n >= kKfStages) mbar_wait(&empty[st], (n / kKfStages - 1) & 1);
@@ -239,15 +241,42 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(hk, dsa[kt], qn + n_off(kt));
       wg_commit();
     };
-    // kFuse: item n's dq into dqt (fp32 vector reductions; rows past the sequence skipped), once waited for.
+    // kFuse: item n's dq (waited for) into dqt. It is staged over item n's stage (both warpgroups are done with
+    // it) as K / 32 boxes of [64 rows][32 fp32] in 128-byte swizzled rows, the first K / 64 over the qhat tile,
+    // the rest over the dO tile, rows past the sequence zero; thread 0 adds the boxes by TMA reductions and waits
+    // for their reads before it loads the stage again (issue_q).
     auto add_dq = [&](uint32_t n) {
       if constexpr (kFuse) {
         fence_regs(dq);
-        const int j = int(n - n_q), qc = chunk_of(j), hq = h * p.group + j % p.group;
-        float* dst = p.dqt + ((seq_tok0 + int64_t(qc) * kChunk) * p.HQ + hq) * K;
+        const int j = int(n - n_q), qc = chunk_of(j), rows = ch.len - qc * kChunk, st = int(n % kKfStages);
+        // Warpgroup wg's features are boxes K / 64 wg .., over the stage's qhat tile (wg 0) or dO tile (wg 1).
+        auto box = [&](int b) {
+          return reinterpret_cast<float*>(b < K / 64 ? Qs + st * kChunk * K : Ds + st * kChunk * V) +
+                 (b % (K / 64)) * kChunk * 32;
+        };
+        // The lane read here, not hoisted: the offsets are recomputed per item instead of held in registers.
+        const int ln = int(lane_id()), rg = 16 * (warp & 3) + (ln >> 2);
+        const int x = ((ln & 3) >> 1) ^ ((ln >> 2) & 7);  // the 16-byte chunk's swizzle: (2 nt + t4 / 2) ^ (r & 7)
+        float* const p0 = box(wg * (K / 64)) + rg * 32 + 2 * (ln & 1);
+        __syncthreads();
 #pragma unroll
-        for (int nt = 0; nt < kDqN; ++nt)
-          red_add_frag_v4(dst, p.HQ * K, 16 * (warp & 3), (K / 2) * wg + 8 * nt, dq[nt], 1.f, ch.len - qc * kChunk);
+        for (int nt = 0; nt < kDqN; ++nt) {
+          float* const pc = p0 + (nt / 4) * kChunk * 32 + ((((2 * nt) & 7) ^ x) << 2);
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const bool in = rg + 8 * hr < rows;
+            *reinterpret_cast<float2*>(pc + 8 * hr * 32) =
+                make_float2(in ? dq[nt][2 * hr] : 0.f, in ? dq[nt][2 * hr + 1] : 0.f);
+          }
+        }
+        fence_async_smem();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          const int hq = h * p.group + j % p.group, row = int(seq_tok0 + int64_t(qc) * kChunk);
+#pragma unroll
+          for (int b = 0; b < K / 32; ++b) tma_reduce_add(&mp.dqt, box(b), 32 * b, hq, row);
+          bulk_commit();
+        }
       }
     };
     // kFuse: this warp's dS^T rows of item n (its packed fragments) into Dss[n & 1], 128-byte swizzled rows of 64
@@ -420,6 +449,9 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       }
     }
   }
+  if constexpr (kFuse) {
+    if (threadIdx.x == 0) bulk_wait<0, false>();  // dq's last reductions done before the CTA's memory goes
+  }
 #endif
 }
 
@@ -484,7 +516,8 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
       !map_matrix(&mp.park, dt, p.scratch, p.K, int64_t(grid) * park_slots * kKfKeys, kKfKeys) ||
       !map_tokens(&mp.qhat, dt, p.qhat, p.K, p.HQ, NT, kChunk) ||
       !map_bthd(&mp.dout, dt, p.dout, p.do_s, p.V, p.HQ, p.T, p.B, kChunk) ||
-      !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K))
+      !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K) ||
+      (p.kfuse && !map_tokens(&mp.dqt, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dqt, p.K, p.HQ, NT, kChunk)))
     return cudaErrorInvalidValue;
   const int nitems = ntiles * p.H;
   if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);

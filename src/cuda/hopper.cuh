@@ -46,6 +46,13 @@ __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
+// This thread's lane from the special register, read where it is called (volatile): offsets derived from it are
+// recomputed there instead of being hoisted out of loops and held in registers.
+__device__ __forceinline__ uint32_t lane_id() {
+  uint32_t l;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
+  return l;
+}
 // Shared memory written through the generic proxy (cp.async, stores) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_async_smem() {
 #ifdef PA_SM90A
@@ -398,6 +405,33 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
       "[%6];\n" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(smem_u32(bar))
       : "memory");
+#endif
+}
+// One box of fp32 shared memory added into a 3-dimensional fp32 tensor map's elements by TMA (element-wise
+// atomic adds in L2; coordinates innermost first; elements outside the tensor skipped), in this thread's bulk
+// group. The shared memory must have been made visible to the async proxy (fence_async_smem) first.
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, const void* src, int x, int y, int z) {
+#ifdef PA_SM90A
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::
+                   "l"(reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(x), "r"(y), "r"(z)
+               : "memory");
+#endif
+}
+// This thread's bulk operations so far as one group.
+__device__ __forceinline__ void bulk_commit() {
+#ifdef PA_SM90A
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's bulk groups have read their shared memory (kRead) or completed, but the newest N.
+template <int N, bool kRead>
+__device__ __forceinline__ void bulk_wait() {
+#ifdef PA_SM90A
+  if constexpr (kRead)
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 

@@ -24,11 +24,14 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A tensor map over a 16-bit tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes of 64 elements
-// (128 bytes, 128-byte swizzle) by box_rows along dimension `row_dim` (1 elsewhere).
+// Bytes of an element of the tensor maps' types here (fp32, else 16-bit).
+inline int elem_bytes(CUtensorMapDataType dt) { return dt == CU_TENSOR_MAP_DATA_TYPE_FLOAT32 ? 4 : 2; }
+
+// A tensor map over a 16-bit or fp32 tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes of 128
+// bytes (64 or 32 elements, 128-byte swizzle) by box_rows along dimension `row_dim` (1 elsewhere).
 inline bool encode_tiles(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
                          const cuuint64_t* strides, int row_dim, int box_rows) {
-  cuuint32_t box[4] = {64, 1, 1, 1}, estr[4] = {1, 1, 1, 1};
+  cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes(dt)), 1, 1, 1}, estr[4] = {1, 1, 1, 1};
   box[row_dim] = cuuint32_t(box_rows);
   return tensor_map_encoder()(map, dt, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, estr,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -39,14 +42,14 @@ inline bool encode_tiles(CUtensorMap* map, CUtensorMapDataType dt, const void* b
 // a row-major [rows][D] matrix (the parked states, the superblock products);
 inline bool map_matrix(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int64_t D, int64_t rows,
                        int box_rows) {
-  const cuuint64_t dims[2] = {cuuint64_t(D), cuuint64_t(rows)}, strides[1] = {cuuint64_t(D) * 2};
+  const cuuint64_t dims[2] = {cuuint64_t(D), cuuint64_t(rows)}, strides[1] = {cuuint64_t(D) * elem_bytes(dt)};
   return encode_tiles(map, dt, base, 2, dims, strides, 1, box_rows);
 }
-// a token-major workspace tensor [NT][heads][D] (boxes of one head);
+// a token-major workspace tensor [NT][heads][D] (boxes of one head; 16-bit or fp32);
 inline bool map_tokens(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int64_t D, int64_t heads, int64_t NT,
                        int box_rows) {
-  const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(heads), cuuint64_t(NT)};
-  const cuuint64_t strides[2] = {cuuint64_t(D) * 2, cuuint64_t(heads * D) * 2};
+  const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(heads), cuuint64_t(NT)}, eb = cuuint64_t(elem_bytes(dt));
+  const cuuint64_t strides[2] = {cuuint64_t(D) * eb, cuuint64_t(heads * D) * eb};
   return encode_tiles(map, dt, base, 3, dims, strides, 2, box_rows);
 }
 // a caller's [B][T][heads][D] tensor with element strides s (b, t, head; the last dim contiguous).
