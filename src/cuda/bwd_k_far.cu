@@ -138,6 +138,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       return c < n_last ? last - c : (last_sb - 1 - (c - n_last) / p.sc) * p.sc + p.sc - 1 -
                                          (c - n_last) % p.sc;
     };
+    auto head_of = [&](int j) { return h * p.group + j % p.group; };  // item j's query head
     // Producer (thread 0): the superblock product of crossing i (pass 1: PS_{sbk+1+i}; pass 2: PS_{last_sb-1-(i-n1)}),
     // once the previous one was released.
     auto issue_ps = [&](int i) {
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       const int st = int(n % kKfStages);
       if (n >= kKfStages) mbar_wait(&empty[st], (n / kKfStages - 1) & 1);
       mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2 + kChunk * 8));
-      const int qc = chunk_of(j), hq = h * p.group + j % p.group;
+      const int qc = chunk_of(j), hq = head_of(j);
       const int64_t t = ch.t0 + int64_t(qc) * kChunk;
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         };
         // The lane read here, not hoisted: the offsets are recomputed per item instead of held in registers.
         const int ln = int(lane_id()), rg = 16 * (warp & 3) + (ln >> 2);
-        const int x = ((ln & 3) >> 1) ^ ((ln >> 2) & 7);  // the 16-byte chunk's swizzle: (2 nt + t4 / 2) ^ (r & 7)
+        const int x = ((ln & 3) >> 1) ^ (ln >> 2);  // the 16-byte chunk's swizzle: (2 nt + t4 / 2) ^ (r & 7), r & 7 = g
         float* const p0 = box(wg * (K / 64)) + rg * 32 + 2 * (ln & 1);
         __syncthreads();
 #pragma unroll
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         fence_async_smem();
         __syncthreads();
         if (threadIdx.x == 0) {
-          const int hq = h * p.group + j % p.group, row = int(seq_tok0 + int64_t(qc) * kChunk);
+          const int hq = head_of(j), row = int(seq_tok0 + int64_t(qc) * kChunk);
 #pragma unroll
           for (int b = 0; b < K / 32; ++b) tma_reduce_add(&mp.dqt, box(b), 32 * b, hq, row);
           bulk_commit();
@@ -318,7 +319,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       const float2* l2 = Ls + (n % kKfStages) * kChunk;
       float gk[2] = {0.f, 0.f};  // the keys' gate terms for item n's query head
       if constexpr (kGate) {
-        const int hq = h * p.group + int(n - n_q) % p.group;
+        const int hq = head_of(int(n - n_q));
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) gk[hr] = __ldg(p.G + (tokk0 + 16 * warp + g + 8 * hr) * p.HQ + hq) * gl2;
       }
