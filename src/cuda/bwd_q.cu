@@ -282,7 +282,7 @@ struct BwdQ {
       if (dv_on_far) {
 #pragma unroll
         for (int nt = 0; nt < V / 8; ++nt)
-          red_add_frag_v4(p.dvdiag + (tokq0 * p.HQ + hq) * V, p.HQ * V, 16 * warp, 8 * nt, dv[0][nt], 1.f, nq);
+          red_add_frag_v4<true>(p.dvdiag + (tokq0 * p.HQ + hq) * V, p.HQ * V, 16 * warp, 8 * nt, dv[0][nt], 1.f, nq);
       } else
 #endif
       {

@@ -553,19 +553,21 @@ __device__ __forceinline__ void warp_add_col_sums(const float (&x)[8][4], float*
 // group), times `scale`, added to dst[r * ld + c] (fp32 global, rows 16-byte aligned, ld a multiple of 4) with
 // vector reductions: lanes t and t ^ 1 trade half their pairs, so that each adds four consecutive columns of one
 // row (the even lane row r0 + g, the odd lane row r0 + g + 8) with one red.global.add.v4.f32 (sm_90): a quarter
-// of the scalar atomics' operations. Rows from row_end on are left alone. Every lane of the warp calls it (shuffles).
+// of the scalar atomics' operations. kRowBound: rows from row_end on are left alone.
+// Every lane of the warp calls it (shuffles).
+template <bool kRowBound = false>
 __device__ __forceinline__ void red_add_frag_v4(float* dst, int ld, int r0, int c0, const float (&a)[4], float scale,
-                                                int row_end = 1 << 30) {
+                                                int row_end = 0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const bool odd = t & 1;
   const float s0 = odd ? a[0] : a[2], s1 = odd ? a[1] : a[3];
   const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1), x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
   const int r = r0 + g + (odd ? 8 : 0);
-  float* row = dst + int64_t(r) * ld + c0 + 4 * (t >> 1);
-  if (r < row_end)
+  float* row = dst + r * ld + c0 + 4 * (t >> 1);
+  if (!kRowBound || r < row_end)
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(row), "f"((odd ? x0 : a[0]) * scale),
-               "f"((odd ? x1 : a[1]) * scale), "f"((odd ? a[2] : x0) * scale), "f"((odd ? a[3] : x1) * scale)
-               : "memory");
+                 "f"((odd ? x1 : a[1]) * scale), "f"((odd ? a[2] : x0) * scale), "f"((odd ? a[3] : x1) * scale)
+                 : "memory");
 }
 #endif
 
