@@ -275,7 +275,6 @@ struct BwdQ {
       float dv[1][V / 8][4];
       zero_acc(dv);
       warp_mma_ss<T, 1, V / 8, true, true>(dv, Ps, LP, 16 * warp, dOs, LV, 0, kChunk);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       // Added by 16-byte reductions (no load whose latency the item would wait for; a lane pair's four columns of
       // one row an operation). bwd_q's last launch at K = 128, T = 4k (one slice): 2.69 ms with 8-byte ones, 2.51
       // with these, 2.48 with plain stores in their place (dev/cuda/NOTES.md v3.42).
@@ -283,25 +282,15 @@ struct BwdQ {
 #pragma unroll
         for (int nt = 0; nt < V / 8; ++nt)
           red_add_frag_v4<true>(p.dvdiag + (tokq0 * p.HQ + hq) * V, p.HQ * V, 16 * warp, 8 * nt, dv[0][nt], 1.f, nq);
-      } else
-#endif
-      {
+      } else {
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int j = rr[hr];
           if (j >= nq) continue;
           float* dst = p.dvdiag + ((tokq0 + j) * p.HQ + hq) * V;
 #pragma unroll
-          for (int nt = 0; nt < V / 8; ++nt) {
-            const float2 x = make_float2(dv[0][nt][2 * hr], dv[0][nt][2 * hr + 1]);
-            float2* d2 = reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4);
-            if (dv_on_far) {  // (a build without sm_90)
-              atomicAdd(&d2->x, x.x);
-              atomicAdd(&d2->y, x.y);
-            } else {
-              *d2 = x;
-            }
-          }
+          for (int nt = 0; nt < V / 8; ++nt)
+            *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(dv[0][nt][2 * hr], dv[0][nt][2 * hr + 1]);
         }
       }
       // Gate terms of the diagonal: + row sums, - column sums (fixed order: deterministic).
@@ -359,13 +348,7 @@ struct BwdQ {
                 __stcg(reinterpret_cast<float2*>(dst), make_float2(o.x + d[mt][nt][e], o.y + d[mt][nt][e + 1]));
               }
             } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-              red_add_frag_v4(dst_base, K, a0, b0, d[mt][nt], 1.f);  // four columns of one row per lane
-#else
-#pragma unroll
-              for (int e = 0; e < 4; ++e)
-                atomicAdd(dst_base + (a0 + g + 8 * (e >> 1)) * K + b0 + 2 * t4 + (e & 1), d[mt][nt][e]);
-#endif
+              red_add_frag_v4(dst_base, K, a0, b0, d[mt][nt], 1.f);  // (sm_90: four columns of one row per lane)
             }
           }
       }

@@ -548,17 +548,17 @@ __device__ __forceinline__ void warp_add_col_sums(const float (&x)[8][4], float*
       for (int j = 0; j < 2; ++j) atomicAdd(dst + (tok0 + 8 * nt + 2 * t + j) * stride, w * cs[nt][j]);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // One m16n8 accumulator fragment (rows r0 + g and r0 + g + 8, columns c0 + 2t and c0 + 2t + 1 of an 8-column
-// group), times `scale`, added to dst[r * ld + c] (fp32 global, rows 16-byte aligned, ld a multiple of 4) with
-// vector reductions: lanes t and t ^ 1 trade half their pairs, so that each adds four consecutive columns of one
-// row (the even lane row r0 + g, the odd lane row r0 + g + 8) with one red.global.add.v4.f32 (sm_90): a quarter
-// of the scalar atomics' operations. kRowBound: rows from row_end on are left alone.
-// Every lane of the warp calls it (shuffles).
+// group), times `scale`, added to dst[r * ld + c] (fp32 global, rows 16-byte aligned, ld a multiple of 4). On
+// sm_90 by vector reductions: lanes t and t ^ 1 trade half their pairs, so that each adds four consecutive
+// columns of one row (the even lane row r0 + g, the odd lane row r0 + g + 8) with one red.global.add.v4.f32, a
+// quarter of the scalar atomics' operations; elsewhere by scalar atomics. kRowBound: rows from row_end on are
+// left alone. Every lane of the warp calls it (shuffles).
 template <bool kRowBound = false>
 __device__ __forceinline__ void red_add_frag_v4(float* dst, int ld, int r0, int c0, const float (&a)[4], float scale,
                                                 int row_end = 0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const bool odd = t & 1;
   const float s0 = odd ? a[0] : a[2], s1 = odd ? a[1] : a[3];
   const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1), x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
@@ -568,15 +568,20 @@ __device__ __forceinline__ void red_add_frag_v4(float* dst, int ld, int r0, int 
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(row), "f"((odd ? x0 : a[0]) * scale),
                  "f"((odd ? x1 : a[1]) * scale), "f"((odd ? a[2] : x0) * scale), "f"((odd ? a[3] : x1) * scale)
                  : "memory");
-}
+#else
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int r = r0 + g + 8 * (e >> 1);
+    if (!kRowBound || r < row_end) atomicAdd(dst + r * ld + c0 + 2 * t + (e & 1), a[e] * scale);
+  }
 #endif
+}
 
 // dst[r * ld + c] += every output of an M x N accumulator (fp32 global, rows 16-byte aligned, ld a multiple of
-// 4): on sm_90 a fragment at a time by red_add_frag_v4 (vector reductions, which bound the superblock backward's
-// dP adds as scalar atomics); elsewhere scalar atomics.
+// 4), a fragment at a time by red_add_frag_v4 (on sm_90 vector reductions, which bound the superblock
+// backward's dP adds as scalar atomics).
 template <int M, int N>
 __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile<M, N>::Acc& acc) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using TT = TcTile<M, N>;
   int wm, wn;
   TT::coords(threadIdx.x >> 5, wm, wn);
@@ -585,9 +590,6 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
 #pragma unroll
     for (int nt = 0; nt < TT::NTW; ++nt)
       red_add_frag_v4(dst, ld, 16 * (wm + TT::WM * mi), 8 * (wn * TT::NTW + nt), acc[mi][nt], 1.f);
-#else
-  TcTile<M, N>::each(acc, [&](int r, int c, float& v) { atomicAdd(dst + r * ld + c, v); });
-#endif
 }
 
 // The chunk kernels' k-loop unroll (mma_tc_acc's kU): 4 at K = 64; 2 at K = 128, where 4 raised bwd_chunk's
