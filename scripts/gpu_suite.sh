@@ -12,7 +12,10 @@
 # machine with the GPU machine's Python version (`pip wheel . -Ccmake.define.PATHATTN_CUDA=ON
 # "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"`) and put in .whl/ saves that build;
 # remove it once the tree changes (a wheel found there is used as it is).
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--sm80 DIR] [--out DIR]
+#   --sm80 DIR: also the Ampere code path on this GPU: test_cuda of a build with compute_80 PTX only
+#   (-DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_80,code=compute_80", prebuilt in DIR or built there), which
+#   the driver compiles for the device at load, with the code that __CUDA_ARCH__ = 800 selects (no far kernels).
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
 #   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu: once; self-checking; prebuilt in DIR or built
@@ -25,6 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
+SM80=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
@@ -36,6 +40,7 @@ while [ $# -gt 0 ]; do
     --no-tests) TESTS=0 ;;
     --probe) PROBE=1 ;;
     --playgrounds) PLAY=1 ;;
+    --sm80) SM80=$2; shift ;;
     --out) OUTDIR=$2; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -79,6 +84,24 @@ if [ "$TESTS" = 1 ]; then
     echo "== engine GPU tests"
     "$ENG" --gtest_color=no > "$OUTDIR/test_engine_cuda.log" 2>&1 || status=1
     grep -E "FAILED|PASSED|Failure|K [0-9]+ \(Kp" "$OUTDIR/test_engine_cuda.log"
+  fi
+fi
+
+if [ -n "$SM80" ]; then
+  echo "== GPU tests, sm_80 code path (compute_80 PTX compiled by the driver)"
+  T80=$SM80/tests/cuda/test_cuda
+  [ -x "$T80" ] || T80=$SM80/test_cuda
+  if [ ! -x "$T80" ]; then
+    cmake -S . -B "$SM80" -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release \
+      -DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_80,code=compute_80" > /dev/null &&
+      cmake --build "$SM80" -j "$(nproc)" --target test_cuda > /dev/null
+    T80=$SM80/tests/cuda/test_cuda
+  fi
+  if [ -x "$T80" ]; then
+    "$T80" --gtest_color=no > "$OUTDIR/test_cuda_sm80.log" 2>&1 || status=1
+    grep -E "OK \]|FAILED|PASSED|Failure" "$OUTDIR/test_cuda_sm80.log"
+  else
+    echo "sm_80 test binary: not built"; status=1
   fi
 fi
 

@@ -40,7 +40,7 @@ struct KfMaps {
   CUtensorMap qhat;  // [NT][HQ][K]: 64 columns x 64 query rows
   CUtensorMap dout;  // [B][T][HQ][V] with dO's strides: 64 columns x 64 query rows
   CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
-  CUtensorMap dqt;   // kFuse: [NT][HQ][K] fp32, the reductions' target: 32 columns x 64 query rows
+  CUtensorMap dqt;   // kFuse: [NT][HQ][K] fp32, the reductions' target: 32 columns x 64 query rows, paired
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
   int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
   const float2* lsd;     // [HQ][nchunks][64] (lse in base 2, delta) per query row; +inf past the sequence
@@ -256,9 +256,12 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
                  (b % (K / 64)) * kChunk * 32;
         };
         // The lane read here, not hoisted: the offsets are recomputed per item instead of held in registers.
-        const int ln = int(lane_id()), rg = 16 * (warp & 3) + (ln >> 2);
-        const int x = ((ln & 3) >> 1) ^ (ln >> 2);  // the 16-byte chunk's swizzle: (2 nt + t4 / 2) ^ (r & 7), r & 7 = g
-        float* const p0 = box(wg * (K / 64)) + rg * 32 + 2 * (ln & 1);
+        // Row r of the item sits in the box's row 2 (r % 32) + r / 32 (map_tokens_paired), swizzle phase
+        // 2 (g & 3) + (warp & 3) / 2 for both of a thread's rows (g, g + 8), so that a half-warp's 16 float2
+        // stores fill the 32 banks once (with rows in order, rows g and g ^ 1 met in the same chunks).
+        const int ln = int(lane_id()), w4 = warp & 3, rg = 16 * w4 + (ln >> 2);
+        const int x = ((ln & 3) >> 1) ^ (2 * ((ln >> 2) & 3) + (w4 >> 1));  // chunk (2 nt + t4 / 2) ^ phase
+        float* const p0 = box(wg * (K / 64)) + (2 * (rg & 31) + (w4 >> 1)) * 32 + 2 * (ln & 1);
         __syncthreads();
 #pragma unroll
         for (int nt = 0; nt < kDqN; ++nt) {
@@ -266,7 +269,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
             const bool in = rg + 8 * hr < rows;
-            *reinterpret_cast<float2*>(pc + 8 * hr * 32) =
+            *reinterpret_cast<float2*>(pc + 16 * hr * 32) =
                 make_float2(in ? dq[nt][2 * hr] : 0.f, in ? dq[nt][2 * hr + 1] : 0.f);
           }
         }
@@ -275,7 +278,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         if (threadIdx.x == 0) {
           const int hq = head_of(j), row = int(seq_tok0 + int64_t(qc) * kChunk);
 #pragma unroll
-          for (int b = 0; b < K / 32; ++b) tma_reduce_add(&mp.dqt, box(b), 32 * b, hq, row);
+          for (int b = 0; b < K / 32; ++b) tma_reduce_add(&mp.dqt, box(b), 32 * b, hq, 0, row);
           bulk_commit();
         }
       }
@@ -493,7 +496,12 @@ bool bwd_k_far_usable(const KernelParams& p) {
 }
 
 bool bwd_k_far_fusable(const KernelParams& p) {
-  return !p.gate && !p.deterministic && bwd_k_far_usable(p) && far_device_ok(KfSmem<128, true>::bytes);
+  if (p.gate || p.deterministic || !bwd_k_far_usable(p) || !far_device_ok(KfSmem<128, true>::bytes)) return false;
+  // dq's paired-row map overlaps two of its dimensions: where a driver would refuse to encode it, the two far
+  // kernels run instead. Encoding only checks the parameters: v's address (16-byte aligned, as usable checked)
+  // stands in for dqt's, not allocated yet.
+  CUtensorMap probe;
+  return map_tokens_paired(&probe, static_cast<const float*>(p.v), p.K, p.HQ, int64_t(p.B) * p.T);
 }
 
 
@@ -518,7 +526,7 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
       !map_tokens(&mp.qhat, dt, p.qhat, p.K, p.HQ, NT, kChunk) ||
       !map_bthd(&mp.dout, dt, p.dout, p.do_s, p.V, p.HQ, p.T, p.B, kChunk) ||
       !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K) ||
-      (p.kfuse && !map_tokens(&mp.dqt, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dqt, p.K, p.HQ, NT, kChunk)))
+      (p.kfuse && !map_tokens_paired(&mp.dqt, p.dqt, p.K, p.HQ, NT)))
     return cudaErrorInvalidValue;
   const int nitems = ntiles * p.H;
   if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);

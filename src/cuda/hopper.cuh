@@ -407,14 +407,15 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
       : "memory");
 #endif
 }
-// One box of fp32 shared memory added into a 3-dimensional fp32 tensor map's elements by TMA (element-wise
+// One box of fp32 shared memory added into a 4-dimensional fp32 tensor map's elements by TMA (element-wise
 // atomic adds in L2; coordinates innermost first; elements outside the tensor skipped), in this thread's bulk
-// group. The shared memory must have been made visible to the async proxy (fence_async_smem) first.
-__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, const void* src, int x, int y, int z) {
+// group (bwd_k_far's dq through map_tokens_paired). The shared memory must have been made visible to the async
+// proxy (fence_async_smem) first.
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, const void* src, int x, int y, int z, int w) {
 #ifdef PA_SM90A
-  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::
-                   "l"(reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(x), "r"(y), "r"(z)
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+               " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(x), "r"(y), "r"(z), "r"(w)
                : "memory");
 #endif
 }

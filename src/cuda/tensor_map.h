@@ -52,6 +52,19 @@ inline bool map_tokens(CUtensorMap* map, CUtensorMapDataType dt, const void* bas
   const cuuint64_t strides[2] = {cuuint64_t(D) * eb, cuuint64_t(heads * D) * eb};
   return encode_tiles(map, dt, base, 3, dims, strides, 2, box_rows);
 }
+// dq's fp32 reduction target [NT][heads][D] seen as 4-d, 32 columns x (2 x 32) rows a box: dimension 2 steps 32
+// tokens, dimension 3 one, so a box's shared-memory row i holds token row + 32 (i & 1) + i / 2 and the 128-byte
+// swizzle phase of token row + r is 2 (r & 3) + r / 32 (bwd_k_far's add_dq: its fragment stores conflict-free).
+// Dimension 3 stops at NT: a box's second half reaches up to 32 rows past it, which the target must hold.
+inline bool map_tokens_paired(CUtensorMap* map, const float* base, int64_t D, int64_t heads, int64_t NT) {
+  const cuuint64_t row = cuuint64_t(heads * D) * 4;
+  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(heads), 2, cuuint64_t(NT)};
+  const cuuint64_t strides[3] = {cuuint64_t(D) * 4, 32 * row, row};
+  const cuuint32_t box[4] = {32, 1, 2, 32}, estr[4] = {1, 1, 1, 1};
+  return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(base), dims, strides, box,
+                              estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 // a caller's [B][T][heads][D] tensor with element strides s (b, t, head; the last dim contiguous).
 inline bool map_bthd(CUtensorMap* map, CUtensorMapDataType dt, const void* base, const int64_t (&s)[3], int64_t D,
                      int64_t heads, int64_t T, int64_t B, int box_rows) {
