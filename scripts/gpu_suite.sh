@@ -55,10 +55,15 @@ if [ -f "$BUILD/libs.tar.xz" ]; then
   mkdir -p /tmp/pathattn_libs && tar xJf "$BUILD/libs.tar.xz" -C /tmp/pathattn_libs
   export LD_LIBRARY_PATH=/tmp/pathattn_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+# configure_build DIR GENCODE TARGET...: a CUDA build without the apps, for the given architectures.
+configure_build() {
+  local dir=$1 gencode=$2
+  shift 2
+  cmake -S . -B "$dir" -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release \
+    -DPATHATTN_CUDA_GENCODE="$gencode" > /dev/null && cmake --build "$dir" -j "$(nproc)" --target "$@"
+}
 if [ ! -x "$BUILD/tests/cuda/test_cuda" ] && [ ! -x "$BUILD/test_cuda" ]; then
-  cmake -S . -B "$BUILD" -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release \
-    -DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" || exit 1
-  cmake --build "$BUILD" -j "$(nproc)" --target test_cuda pathattn_capi || exit 1
+  configure_build "$BUILD" "-gencode=arch=compute_90a,code=sm_90a" test_cuda pathattn_capi || exit 1
 fi
 TEST=$BUILD/tests/cuda/test_cuda
 [ -x "$TEST" ] || TEST=$BUILD/test_cuda
@@ -92,9 +97,7 @@ if [ -n "$SM80" ]; then
   T80=$SM80/tests/cuda/test_cuda
   [ -x "$T80" ] || T80=$SM80/test_cuda
   if [ ! -x "$T80" ]; then
-    cmake -S . -B "$SM80" -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release \
-      -DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_80,code=compute_80" > /dev/null &&
-      cmake --build "$SM80" -j "$(nproc)" --target test_cuda > /dev/null
+    configure_build "$SM80" "-gencode=arch=compute_80,code=compute_80" test_cuda > /dev/null
     T80=$SM80/tests/cuda/test_cuda
   fi
   if [ -x "$T80" ]; then

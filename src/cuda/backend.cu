@@ -355,7 +355,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
-  PA_CU(ws.alloc(&kp.dqt, (NT + 32) * HQ * K));  // 32 rows past NT: bwd_k_far's paired reduction boxes
+  PA_CU(ws.alloc(&kp.dqt, (NT + kDqtPadRows) * HQ * K));
   PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
   PA_CU(ws.alloc(&kp.E, size_t(kp.nchunks) * H * kChunk * kChunk));  // chunk_prep -> bwd_chunk
   if (pr.gate) {

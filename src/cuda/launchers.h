@@ -69,6 +69,8 @@ bool bwd_k_far_fusable(const KernelParams& p);
 // One CTA per SM for `items` items of the persistent far kernels (0 without a device).
 int far_grid(int64_t items);
 size_t bwd_k_far_park_elems(int grid, int park_slots, int K);
+// Rows of dqt past the last token: the fused kernel's paired reduction boxes (map_tokens_paired) reach that far.
+inline constexpr int kDqtPadRows = 32;
 cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
                              int grid, int* next, int dtype, cudaStream_t s);
 // Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk); `next`: the

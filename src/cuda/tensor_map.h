@@ -27,15 +27,21 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // Bytes of an element of the tensor maps' types here (fp32, else 16-bit).
 inline int elem_bytes(CUtensorMapDataType dt) { return dt == CU_TENSOR_MAP_DATA_TYPE_FLOAT32 ? 4 : 2; }
 
-// A tensor map over a 16-bit or fp32 tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes of 128
-// bytes (64 or 32 elements, 128-byte swizzle) by box_rows along dimension `row_dim` (1 elsewhere).
-inline bool encode_tiles(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
-                         const cuuint64_t* strides, int row_dim, int box_rows) {
-  cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes(dt)), 1, 1, 1}, estr[4] = {1, 1, 1, 1};
-  box[row_dim] = cuuint32_t(box_rows);
+// A tensor map over a 16-bit or fp32 tensor: dims / strides (bytes, dims 1..n-1) innermost first, boxes `box`
+// (128 bytes innermost, 128-byte swizzle).
+inline bool encode_box(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box) {
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
   return tensor_map_encoder()(map, dt, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, estr,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+// The same with boxes of 128 bytes (64 or 32 elements) by box_rows along dimension `row_dim` (1 elsewhere).
+inline bool encode_tiles(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int rank, const cuuint64_t* dims,
+                         const cuuint64_t* strides, int row_dim, int box_rows) {
+  cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes(dt)), 1, 1, 1};
+  box[row_dim] = cuuint32_t(box_rows);
+  return encode_box(map, dt, base, rank, dims, strides, box);
 }
 
 // The tensors the far kernels tile, each by boxes of 64 columns x box_rows rows:
@@ -55,15 +61,14 @@ inline bool map_tokens(CUtensorMap* map, CUtensorMapDataType dt, const void* bas
 // dq's fp32 reduction target [NT][heads][D] seen as 4-d, 32 columns x (2 x 32) rows a box: dimension 2 steps 32
 // tokens, dimension 3 one, so a box's shared-memory row i holds token row + 32 (i & 1) + i / 2 and the 128-byte
 // swizzle phase of token row + r is 2 (r & 3) + r / 32 (bwd_k_far's add_dq: its fragment stores conflict-free).
-// Dimension 3 stops at NT: a box's second half reaches up to 32 rows past it, which the target must hold.
+// Dimension 3 stops at NT: a box's second half reaches up to kDqtPadRows (launchers.h) rows past it, which the
+// target must hold.
 inline bool map_tokens_paired(CUtensorMap* map, const float* base, int64_t D, int64_t heads, int64_t NT) {
   const cuuint64_t row = cuuint64_t(heads * D) * 4;
   const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(heads), 2, cuuint64_t(NT)};
   const cuuint64_t strides[3] = {cuuint64_t(D) * 4, 32 * row, row};
-  const cuuint32_t box[4] = {32, 1, 2, 32}, estr[4] = {1, 1, 1, 1};
-  return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(base), dims, strides, box,
-                              estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const cuuint32_t box[4] = {32, 1, 2, 32};
+  return encode_box(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, 4, dims, strides, box);
 }
 // a caller's [B][T][heads][D] tensor with element strides s (b, t, head; the last dim contiguous).
 inline bool map_bthd(CUtensorMap* map, CUtensorMapDataType dt, const void* base, const int64_t (&s)[3], int64_t D,
