@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   using S = BwdChunkSmem<K, kStageDA, kStageDQ>;
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   using TK = TcTile<kChunk, K>;
-  constexpr int kU = kTcUnroll(K);
+  constexpr int kU = kTcUnroll(K);  // products below: kUW false (the shuffled warp index costs spills here)
   extern __shared__ float sm[];
   float* Wf = sm;
   float* W2f = Wf + kChunk * LW;                        // W2 as fp16 [64][LT] (w2h) until the heads' loop ends
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   auto w2 = [&](int r, int d) { return __half2float(W2h[r * LT + d]); };
   // Z = strict_lower(W K^T) -> Zs (before the heads' loop, and after it where dQs lay over Zs).
   auto compute_z = [&]() {
-    block_mm_tc<kChunk, kChunk, K, false, kU>(w_rk, [&](int k, int c) { return k_rk(c, k); },
+    block_mm_tc<kChunk, kChunk, K, false, kU, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
                                               [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; },
                                               kFull.out_lower(-1));
   };
@@ -140,10 +140,11 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   cp_async_wait_group<3>();  // G1: E, W2
   __syncthreads();
   PA_PROBE(4);
-  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
-                                                 [&](int t, int c) { return Zs[t * LC + c]; },
-                                                 [&](int r, int c, float v) { Us[r * LC + c] = v; },
-                                                 kFull.kmax_r(0).kmin_c(1));
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>(
+      [&](int r, int t) { return t <= r ? Es[r * LC + t] * bs[t] : 0.f; },
+      [&](int t, int c) { return Zs[t * LC + c]; },
+      [&](int r, int c, float v) { Us[r * LC + c] = v; },
+      kFull.kmax_r(0).kmin_c(1));
   if constexpr (kOverZE) {  // D rows 0..63 over Zs / Es, free from here, while the dk~ products run
     __syncthreads();
     stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
@@ -156,9 +157,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // ---- gradients of the chunk-end keys (dk~) and of the chunk product (D = dP).
   auto dKt = [&](int j, int a) { return Big[j * LW + a]; };
   // dW -= U dk~;  dU = -W dk~^T (strict lower);  dK += dk~.
-  mma_tc_acc<kChunk, K, kChunk, false, kU>(dWa, [&](int r, int k) { return Us[r * LC + k]; },
+  mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dWa, [&](int r, int k) { return Us[r * LC + k]; },
                                            [&](int k, int a) { return -dKt(k, a); }, kFull.kmax_r(-1));
-  block_mm_tc<kChunk, kChunk, K, false, kU>(w_rk, [&](int k, int j) { return dKt(j, k); },
+  block_mm_tc<kChunk, kChunk, K, false, kU, false>(w_rk, [&](int k, int j) { return dKt(j, k); },
                                             [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; },
                                             kFull.out_lower(-1));
   TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
@@ -175,16 +176,16 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       cp_async_wait_all();
       __syncthreads();
     }
-    mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, w_rk, [&](int a, int d) { return -D0[a * LW + d]; });
+    mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, w_rk, [&](int a, int d) { return -D0[a * LW + d]; });
     if constexpr (K > kChunk)
-      mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, [&](int r, int a) { return Wf[r * LW + kChunk + a]; },
+      mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, [&](int r, int a) { return Wf[r * LW + kChunk + a]; },
                                                [&](int a, int d) { return -D1[a * LW + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU>(dWa, w2, [&](int k, int a) {
+    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2, [&](int k, int a) {
       return -(K == kChunk || a < kChunk ? D0[a * LW + k] : D1[(a - kChunk) * LW + k]);
     });
   } else {
-    mma_tc_acc<kChunk, K, K, false, kU>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU>(dWa, w2, [&](int k, int a) { return -Dm[a * K + k]; });
+    mma_tc_acc<kChunk, K, K, false, kU, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
+    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2, [&](int k, int a) { return -Dm[a * K + k]; });
   }
 
   // ---- per query head: dq, and the X / A_loc terms.
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     cp_async_wait_group<1>();  // Q
     __syncthreads();
     // X = tril_incl(Q W^T) -> Xs.
-    block_mm_tc<kChunk, kChunk, K, false, kU>(
+    block_mm_tc<kChunk, kChunk, K, false, kU, false>(
         q_rk, w_kc, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; }, kFull.out_lower(0));
     cp_async_wait_all();  // dA_loc, dq~
     __syncthreads();
@@ -241,11 +242,14 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
         },
         kFull.kmax_r(0), kFull.kmax_r(0));
     // dK += dA_loc^T Q;  dW += dX^T Q;  dW2 -= X^T dq~.
-    mma_tc_acc<kChunk, K, kChunk, false, kU>(dKa, [&](int c, int r) { return dAl(r, c); }, q_rk, kFull.kmin_r(0));
-    mma_tc_acc<kChunk, K, kChunk, false, kU>(dWa, [&](int s, int r) { return dXs[r * LC + s]; }, q_rk, kFull.kmin_r(0));
-    mma_tc_acc<kChunk, K, kChunk, false, kU>(dW2a, [&](int s, int r) { return -Xs[r * LC + s]; }, dQt, kFull.kmin_r(0));
+    mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dKa, [&](int c, int r) { return dAl(r, c); },
+        q_rk, kFull.kmin_r(0));
+    mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dWa, [&](int s, int r) { return dXs[r * LC + s]; },
+        q_rk, kFull.kmin_r(0));
+    mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, [&](int s, int r) { return -Xs[r * LC + s]; },
+        dQt, kFull.kmin_r(0));
     // dU -= X^T dA_loc (strict lower).
-    block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int t, int r) { return Xs[r * LC + t]; }, dAl,
+    block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>([&](int t, int r) { return Xs[r * LC + t]; }, dAl,
                                                    [&](int t, int c, float v) {
                                                  if (c < t) dUs[t * LC + c] -= v;
                                                    },
@@ -272,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       [&](int r, int s, float v) { Us[r * LC + s] = s <= r ? v * bs[s] : 0.f; },
       kFull.out_lower(0).kmax_r(-1).kmax_c(-1), kFull.out_lower(0));
   // dZb = E^T dU, in place (strict lower).
-  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int t, int r) { return Es[r * LC + t]; },
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>([&](int t, int r) { return Es[r * LC + t]; },
                                                  [&](int r, int c) { return dUs[r * LC + c]; },
                                                  [&](int t, int c, float v) { dUs[t * LC + c] = t > c ? v : 0.f; },
                                                  kFull.kmin_r(0).kmin_c(1).out_lower(-1));
@@ -285,15 +289,15 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     dbs[t] += v;
   }
   // dW += diag(b) dZb K;  dK += dZb^T diag(b) W.
-  mma_tc_acc<kChunk, K, kChunk, false, kU>(dWa, [&](int r, int c) { return bs[r] * dUs[r * LC + c]; }, k_rk,
+  mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dWa, [&](int r, int c) { return bs[r] * dUs[r * LC + c]; }, k_rk,
                                            kFull.kmax_r(-1));
-  mma_tc_acc<kChunk, K, kChunk, false, kU>(dKa, [&](int c, int r) { return bs[r] * dUs[r * LC + c]; },
+  mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dKa, [&](int c, int r) { return bs[r] * dUs[r * LC + c]; },
                                            [&](int r, int d) { return Wf[r * LW + d]; }, kFull.kmin_r(1));
   // dWb = E^T dW2 -> Big;  M1 = dE E^T -> Zs (Z is not read any more once dbs above is done).
-  block_mm_tc<kChunk, K, kChunk, false, kU>([&](int s, int r) { return Es[r * LC + s]; },
+  block_mm_tc<kChunk, K, kChunk, false, kU, false>([&](int s, int r) { return Es[r * LC + s]; },
                                             [&](int r, int d) { return dW2s[r * LW + d]; },
                                             [&](int s, int d, float v) { Big[s * LW + d] = v; }, kFull.kmin_r(0));
-  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int r, int s) { return Us[r * LC + s]; },
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>([&](int r, int s) { return Us[r * LC + s]; },
                                                  [&](int s, int c) { return Es[c * LC + s]; },
                                                  [&](int r, int c, float v) { Zs[r * LC + c] = v; },
                                                  kFull.kmax_r(0).kmax_c(0));
@@ -306,17 +310,17 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     dbs[tid] += v;
   }
   // dA = -E^T M1 (strict lower) -> dUs.
-  block_mm_tc<kChunk, kChunk, kChunk, false, kU>([&](int a, int r) { return Es[r * LC + a]; },
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>([&](int a, int r) { return Es[r * LC + a]; },
                                                  [&](int r, int c) { return Zs[r * LC + c]; },
                                                  [&](int a, int c, float v) { dUs[a * LC + c] = c < a ? -v : 0.f; },
                                                  kFull.kmin_r(0).out_lower(-1));
   __syncthreads();
   PA_PROBE(13);
   // dbeta_a += sum_c dA[a][c] (w_a . w_c): the Gram products into Zs, then fixed-order row sums.
-  block_mm_tc<kChunk, kChunk, K, false, kU>(
+  block_mm_tc<kChunk, kChunk, K, false, kU, false>(
       w_rk, w_kc, [&](int a, int c, float v) { Zs[a * LC + c] = dUs[a * LC + c] * v; }, kFull.out_lower(-1));
   // dW += (diag(b) dA + dA^T diag(b)) W.
-  mma_tc_acc<kChunk, K, kChunk, false, kU>(
+  mma_tc_acc<kChunk, K, kChunk, false, kU, false>(
       dWa,
       [&](int r, int c) {
         return (c < r ? bs[r] * dUs[r * LC + c] : 0.f) + (r < c ? bs[c] * dUs[c * LC + r] : 0.f);

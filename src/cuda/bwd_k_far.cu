@@ -31,7 +31,8 @@ namespace {
 
 constexpr int kKfThreads = 256;  // two warpgroups
 constexpr int kKfKeys = 128;     // keys per tile: the two chunks of a superblock pair
-constexpr int kKfStages = 3;     // query items j - 1, j, j + 1
+// Query stages: items j - 1, j, j + 1; at K = 64 with kFuse a fourth (j - 2, whose dq reductions may still be
+// reading it while item j + 1 loads into j - 3's).
 
 struct KfMaps {
   CUtensorMap ks;    // [NT][H][K]: boxes of 64 columns x 128 keys
@@ -49,12 +50,13 @@ struct KfMaps {
 
 template <int K, bool kFuse>
 struct KfSmem {
+  static constexpr int stages = kFuse && K == 64 ? 4 : 3;
   static constexpr size_t kt = size_t(kKfKeys) * K * 2, q = size_t(kChunk) * K * 2, lsd = size_t(kChunk) * 8;
   // With kFuse: two buffers of dS^T ([128 keys][64 query rows], 16-bit), the staged h over both at a crossing.
   static constexpr size_t ds = kFuse ? 2 * size_t(kKfKeys) * kChunk * 2 : 0;
   // Kt, Vt, the stages' q / dO tiles, the superblock product (fp16), dS^T, the stages' scalars, barriers.
   static constexpr size_t bytes =
-      1024 + 2 * kt + kKfStages * 2 * q + size_t(K) * K * 2 + ds + kKfStages * lsd + 8 * 16;
+      1024 + 2 * kt + stages * 2 * q + size_t(K) * K * 2 + ds + stages * lsd + 8 * 16;
   static_assert(!kFuse || ds >= kt, "bwd_k_far: the staged h lies over the dS^T buffers");
 };
 
@@ -63,6 +65,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
                                                                   const __grid_constant__ KfMaps mp, int nitems) {
 #ifdef PA_SM90A
   constexpr int V = K, KB = K / 64;  // 64-column blocks of a row
+  constexpr int kKfStages = KfSmem<K, kFuse>::stages;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Kt = reinterpret_cast<T*>(align1k(smem));  // [128 keys][K] as KB column blocks of 128 x 64
   T* Vt = Kt + kKfKeys * K;
@@ -92,7 +95,12 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   }
   __syncthreads();
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
+  // Without kFuse warp comes through a shuffle, so that the compiler knows it (and wg) warp-uniform and keeps what
+  // derives from them, the wgmma descriptors among it, in uniform registers: ptxas at K = 128 0 / 0 bytes spilled
+  // (was 64 / 172), with the gate 8 / 8 (was 152 / 272). With kFuse the same costs spills; there only the dq
+  // product's descriptors take it (issue_dq).
+  const int warp = kFuse ? int(threadIdx.x >> 5) : __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0),
+            lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
   const float sl2 = p.scale * 1.4426950408889634f, gl2 = kGate ? p.gate_scale * 1.4426950408889634f : 0.f;
   T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kKfKeys * K;
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kKfKeys;
@@ -147,7 +155,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     };
     // Producer: query item j (qhat, dO, scalars) into stage n_q + j.
     auto issue_q = [&](int j) {
-      if constexpr (kFuse) bulk_wait<0, true>();  // the stage is read by dq's reduction (add_dq)
+      // The stage is read by dq's reductions (add_dq): with four stages the latest group may still read its own.
+      if constexpr (kFuse) bulk_wait<kKfStages - 3, true>();
       const uint32_t n = n_q + uint32_t(j);
       const int st = int(n % kKfStages);
       if (n >= kKfStages) mbar_wait(&empty[st], (n / kKfStages - 1) & 1);
@@ -226,7 +235,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     auto issue_dq = [&](uint32_t n) {
       if constexpr (kFuse) {
         const char* a0 = reinterpret_cast<const char*>(Dss + (n & 1) * kKfKeys * kChunk);
-        const char* b0 = reinterpret_cast<const char*>(Kt) + (K == 128 ? wg * kKfKeys * 128 : wg * 64);
+        const int wgu = __shfl_sync(0xffffffffu, wg, 0);  // warp-uniform (above): ptxas 88 / 100 -> 0 / 0 at K = 128
+        const char* b0 = reinterpret_cast<const char*>(Kt) + (K == 128 ? wgu * kKfKeys * 128 : wgu * 64);
 #pragma unroll
         for (int k = 0; k < kKfKeys / 16; ++k)
           wg_ss<T, 1, 1>(dq, smem_desc_sw128(a0 + k * 16 * 128, kKfKeys * 128, 1024),

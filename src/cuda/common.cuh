@@ -598,14 +598,16 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
 constexpr int kTcUnroll(int K) { return K == 64 ? 4 : 2; }
 
 // acc += A B over this thread's outputs (no synchronisation), k over the warp's part of `span`. kU: the k loop's
-// unroll (its trip count is the warp's span): the kernel's choice, by its register budget (kTcUnroll).
-template <int M, int N, int KD, bool kX3, int kU = 4, class FA, class FB>
+// unroll (its trip count is the warp's span): the kernel's choice, by its register budget (kTcUnroll). kUW: the
+// warp index through a shuffle, which ptxas then knows warp-uniform (the tiling's bounds and offsets in uniform
+// registers: chunk_prep's spills go, super_bwd needs ~11 registers fewer); bwd_chunk spills more with it.
+template <int M, int N, int KD, bool kX3, int kU = 4, bool kUW = true, class FA, class FB>
 __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a, FB b, KSpan span = kFull) {
   using TT = TcTile<M, N>;
   constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int wm, wn;
-  TT::coords(threadIdx.x >> 5, wm, wn);
+  TT::coords(kUW ? __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0) : int(threadIdx.x >> 5), wm, wn);
   int klo, khi;
   span.range(16 * wm, 16 * (wm + WM * (MPW - 1)) + 16, 8 * wn * NTW, 8 * (wn + 1) * NTW, KD, klo, khi);
 #pragma unroll(kU)
@@ -674,23 +676,25 @@ __device__ __forceinline__ void mma_tc_acc16(typename TcTile<M, N>::Acc& acc, co
 // store both with one instruction. span1, span2: where each pass's terms can be non-zero (KSpan). Every warp
 // finishes reading before any `out2` runs (one __syncthreads in between), so `out2` may overwrite the
 // operands. Callers sync before the next read.
-template <int M, int N, int KD1, int KD2, bool kX3, int kU = 4, class FA1, class FB1, class FA2, class FB2, class FO2>
+template <int M, int N, int KD1, int KD2, bool kX3, int kU = 4, bool kUW = true, class FA1, class FB1, class FA2,
+          class FB2, class FO2>
 __device__ __forceinline__ void block_mm_tc2_pairs(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO2 out2, KSpan span1 = kFull,
                                                    KSpan span2 = kFull) {
   using TT = TcTile<M, N>;
   typename TT::Acc acc;
   TT::zero(acc);
-  mma_tc_acc<M, N, KD1, kX3, kU>(acc, a1, b1, span1);
-  if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3, kU>(acc, a2, b2, span2);
+  mma_tc_acc<M, N, KD1, kX3, kU, kUW>(acc, a1, b1, span1);
+  if constexpr (KD2 > 0) mma_tc_acc<M, N, KD2, kX3, kU, kUW>(acc, a2, b2, span2);
   __syncthreads();
   TT::each_pair(acc, [&](int r, int c, float& v, float& w) { out2(r, c, v, w); });
 }
 // out(r, c, sum_k a1(r, k) b1(k, c) + sum_k a2(r, k) b2(k, c)) for every output (block_mm_tc2_pairs, one
 // element at a time).
-template <int M, int N, int KD1, int KD2, bool kX3, int kU = 4, class FA1, class FB1, class FA2, class FB2, class FO>
+template <int M, int N, int KD1, int KD2, bool kX3, int kU = 4, bool kUW = true, class FA1, class FB1, class FA2,
+          class FB2, class FO>
 __device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO out, KSpan span1 = kFull,
                                              KSpan span2 = kFull) {
-  block_mm_tc2_pairs<M, N, KD1, KD2, kX3, kU>(
+  block_mm_tc2_pairs<M, N, KD1, KD2, kX3, kU, kUW>(
       a1, b1, a2, b2,
       [&](int r, int c, float v, float w) {
         out(r, c, v);
@@ -699,13 +703,13 @@ __device__ __forceinline__ void block_mm_tc2(FA1 a1, FB1 b1, FA2 a2, FB2 b2, FO 
       span1, span2);
 }
 // out(r, c, sum_k a(r, k) b(k, c)): the same with one inner dimension.
-template <int M, int N, int KD, bool kX3, int kU = 4, class FA, class FB, class FO>
+template <int M, int N, int KD, bool kX3, int kU = 4, bool kUW = true, class FA, class FB, class FO>
 __device__ __forceinline__ void block_mm_tc(FA a, FB b, FO out, KSpan span = kFull) {
-  block_mm_tc2<M, N, KD, 0, kX3, kU>(a, b, a, b, out, span);
+  block_mm_tc2<M, N, KD, 0, kX3, kU, kUW>(a, b, a, b, out, span);
 }
-template <int M, int N, int KD, bool kX3, int kU = 4, class FA, class FB, class FO2>
+template <int M, int N, int KD, bool kX3, int kU = 4, bool kUW = true, class FA, class FB, class FO2>
 __device__ __forceinline__ void block_mm_tc_pairs(FA a, FB b, FO2 out2, KSpan span = kFull) {
-  block_mm_tc2_pairs<M, N, KD, 0, kX3, kU>(a, b, a, b, out2, span);
+  block_mm_tc2_pairs<M, N, KD, 0, kX3, kU, kUW>(a, b, a, b, out2, span);
 }
 
 // Four consecutive elements at p as floats: one 8-byte (16-bit types) or 16-byte (fp32) load when vec (p
