@@ -278,15 +278,15 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
 // dim LM), through the MR x 64 buffer Y (leading dim LY), with the chunk's fp16 W and W2 tiles (leading dim
 // LT). A right product keeps rows apart, so a block of M's rows evolves on its own. Ends after the products'
 // last write to M: callers sync before reading M.
-template <int MR, int K, int LM, int LY, int LT>
+template <int MR, int K, int LM, int LY, int LT, bool kUW = true>
 __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, const __half* Ws, const __half* W2s) {
-  block_mm_tc<MR, kChunk, K, false>([&](int r, int k) { return Mf[r * LM + k]; },
-                                    [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
-                                    [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+  block_mm_tc<MR, kChunk, K, false, 4, kUW>([&](int r, int k) { return Mf[r * LM + k]; },
+                                            [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
+                                            [&](int r, int n, float v) { Yf[r * LY + n] = v; });
   __syncthreads();
-  block_mm_tc<MR, K, kChunk, false>([&](int r, int k) { return Yf[r * LY + k]; },
-                                    [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
-                                    [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
+  block_mm_tc<MR, K, kChunk, false, 4, kUW>([&](int r, int k) { return Yf[r * LY + k]; },
+                                            [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
+                                            [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
 }
 
 // Per (full superblock, kv head, block of RB rows of M): walks the superblock's chunks from the last
@@ -429,6 +429,8 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
 // MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation.
 // With kPf two sets of a chunk's tiles, the next chunk's loading by cp.async while this chunk's products run
 // (where the device's shared memory holds them: not at MR = K = 128 on Hopper), else one, staged when needed.
+// Its products take the plain warp index (kUW false, as bwd_chunk's): the shuffled one saved registers here but
+// ran 1 .. 2% slower (dev/cuda/NOTES.md v3.47).
 template <int K, int MR, bool kPf>
 struct SuperBwdSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
@@ -510,7 +512,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       if constexpr (S::kPrefetch) issue(i + 1);  // i + 1 <= pass1: pass 2's first load last
       wait_load(i);
       __syncthreads();
-      right_mul_chunk_product<MR, K, LM, LY, LT>(Rf, Yf, w_of(set_of(i)), w_of(set_of(i)) + kChunk * LT);
+      right_mul_chunk_product<MR, K, LM, LY, LT, false>(Rf, Yf, w_of(set_of(i)), w_of(set_of(i)) + kChunk * LT);
     }
     // ---- pass 2: R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
     __syncthreads();
@@ -528,14 +530,14 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       const float* Mc = Msc + size_t(c) * MR * K;
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
       if constexpr (NB == 1) {
-        block_mm_tc<K, K, MR, false>([&](int r, int k) { return Mc[k * K + r]; },
-                                     [&](int k, int n) { return Rf[k * LM + n]; },
-                                     [&](int r, int n, float v) { dP[r * K + n] += v; });
+        block_mm_tc<K, K, MR, false, 4, false>([&](int r, int k) { return Mc[k * K + r]; },
+                                               [&](int k, int n) { return Rf[k * LM + n]; },
+                                               [&](int r, int n, float v) { dP[r * K + n] += v; });
       } else {  // the row blocks' partials: vector reductions (no barrier needed: the operands stay as they are)
         typename TcTile<K, K>::Acc acc;
         TcTile<K, K>::zero(acc);
-        mma_tc_acc<K, K, MR, false>(acc, [&](int r, int k) { return Mc[k * K + r]; },
-                                    [&](int k, int n) { return Rf[k * LM + n]; });
+        mma_tc_acc<K, K, MR, false, 4, false>(acc, [&](int r, int k) { return Mc[k * K + r]; },
+                                              [&](int k, int n) { return Rf[k * LM + n]; });
         red_add_tile<K, K>(dP, K, acc);
       }
       if (c == p.sc - 1) break;
@@ -544,11 +546,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       const T* Kt = kt_of(set_of(i));
       const __half* Ws = w_of(set_of(i));
       const __half* W2s = Ws + kChunk * LT;
-      block_mm_tc<MR, kChunk, K, false>([&](int r, int k) { return Rf[r * LM + k]; },
-                                        [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
-                                        [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+      block_mm_tc<MR, kChunk, K, false, 4, false>([&](int r, int k) { return Rf[r * LM + k]; },
+                                                  [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
+                                                  [&](int r, int n, float v) { Yf[r * LY + n] = v; });
       __syncthreads();
-      block_mm_tc2<MR, K, kChunk, kChunk, false>(
+      block_mm_tc2<MR, K, kChunk, kChunk, false, 4, false>(
           [&](int r, int k) { return -Yf[r * LY + k]; }, [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
           [&](int r, int k) { return dKs[k * LM + j0 + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
           [&](int r, int n, float v) { Rf[r * LM + n] += v; });
