@@ -9,6 +9,8 @@
 # goes to OUT_DIR/<patch name>_MACRO_VALUE[_...]/):
 #   dev/cuda/build_variants.sh build-cuda diag dev/cuda/patches/far_diag.patch:PA_FAR_DIAG=4 \
 #     dev/cuda/patches/far_diag.patch:PA_QF_DIAG=1,PA_KF_DIAG=1
+# Patches joined by '+' build as one variant, applied in that order (OUT_DIR/<name>+<name>/):
+#   dev/cuda/build_variants.sh build-cuda gpu-variants dev/cuda/patches/a.patch+dev/cuda/patches/b.patch
 # Then on the GPU machine: dev/cuda/ab_shapes.sh gpu-variants/head/libpathattn_capi.so gpu-variants/NAME/... or
 # python3 dev/cuda/timeline.py --lib gpu-variants/NAME/libpathattn_capi.so (per-kernel totals of one call), or
 # (diagnostic builds, whose results are wrong) the one-slice [profile] split of dev/cuda/shape.py --ws-limit-mib -1.
@@ -28,18 +30,27 @@ collect() {  # $1: variant name
   [ -n "$test_bin" ] && cp "$test_bin" "$out/$1/"
   echo "built $out/$1"
 }
-restore() {  # the touched files as the patch left them, then the patch reversed
+restore() {  # the touched files as the patches left them, then the patches reversed, the last first
   for f in "${touched[@]}"; do cp "$originals/$f" "$f"; done
-  git apply -R "$patch"
+  for ((i = ${#patches[@]} - 1; i >= 0; i--)); do git apply -R "${patches[i]}"; done
   rm -rf "$originals"
 }
 collect head
 for arg in "$@"; do
-  patch=${arg%%:*} settings=""
-  [ "$arg" != "$patch" ] && settings=${arg#*:}
-  name=$(basename "$patch" .patch)
-  mapfile -t touched < <(git apply --numstat "$patch" | cut -f3)
-  git apply "$patch"
+  spec=${arg%%:*} settings=""
+  [ "$arg" != "$spec" ] && settings=${arg#*:}
+  IFS=+ read -r -a patches <<<"$spec"
+  name="" touched=() applied=()
+  for patch in "${patches[@]}"; do
+    name="${name:+$name+}$(basename "$patch" .patch)"
+    mapfile -t -O "${#touched[@]}" touched < <(git apply --numstat "$patch" | cut -f3)
+    if ! git apply "$patch"; then  # the ones applied before it reversed, the tree left as it was
+      for ((i = ${#applied[@]} - 1; i >= 0; i--)); do git apply -R "${applied[i]}"; done
+      exit 1
+    fi
+    applied+=("$patch")
+  done
+  mapfile -t touched < <(printf '%s\n' "${touched[@]}" | sort -u)
   # Reversing the patch needs the files as it left them: restore puts back copies taken before the settings.
   originals=$(mktemp -d)
   for f in "${touched[@]}"; do mkdir -p "$originals/$(dirname "$f")" && cp "$f" "$originals/$f"; done
