@@ -99,8 +99,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   // derives from them, the wgmma descriptors among it, in uniform registers: ptxas at K = 128 0 / 0 bytes spilled
   // (was 64 / 172), with the gate 8 / 8 (was 152 / 272). With kFuse the same costs spills; there only the dq
   // product's descriptors take it (issue_dq).
-  const int warp = kFuse ? int(threadIdx.x >> 5) : __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0),
-            lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
+  const int warp = kFuse ? int(threadIdx.x >> 5) : uniform_warp_id(), lane = threadIdx.x & 31, g = lane >> 2,
+            t4 = lane & 3, wg = warp >> 2;
   const float sl2 = p.scale * 1.4426950408889634f, gl2 = kGate ? p.gate_scale * 1.4426950408889634f : 0.f;
   T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kKfKeys * K;
   const int park_row0 = int(blockIdx.x) * mp.park_slots * kKfKeys;
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     auto issue_dq = [&](uint32_t n) {
       if constexpr (kFuse) {
         const char* a0 = reinterpret_cast<const char*>(Dss + (n & 1) * kKfKeys * kChunk);
-        const int wgu = __shfl_sync(0xffffffffu, wg, 0);  // warp-uniform (above): ptxas 88 / 100 -> 0 / 0 at K = 128
+        const int wgu = warp_uniform(wg);  // (above): ptxas 88 / 100 -> 0 / 0 bytes spilled at K = 128
         const char* b0 = reinterpret_cast<const char*>(Kt) + (K == 128 ? wgu * kKfKeys * 128 : wgu * 64);
 #pragma unroll
         for (int k = 0; k < kKfKeys / 16; ++k)

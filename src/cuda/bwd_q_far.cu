@@ -79,8 +79,7 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   }
   __syncthreads();
 
-  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0), lane = threadIdx.x & 31, g = lane >> 2,
-            t4 = lane & 3, wg = warp >> 2;
+  const int warp = uniform_warp_id(), lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
   const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};  // rows within the warpgroup's chunk
   const float LOG2E = 1.4426950408889634f, sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
   T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kQfRows * K;

@@ -597,6 +597,11 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
 // kernel (dev/cuda/NOTES.md v3.26).
 constexpr int kTcUnroll(int K) { return K == 64 ? 4 : 2; }
 
+// A value the same across the warp, through a shuffle from lane 0: ptxas then knows it warp-uniform and keeps what
+// derives from it (wgmma descriptors, tile bounds and offsets) in uniform registers (dev/cuda/NOTES.md v3.46).
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+__device__ __forceinline__ int uniform_warp_id() { return warp_uniform(int(threadIdx.x >> 5)); }
+
 // acc += A B over this thread's outputs (no synchronisation), k over the warp's part of `span`. kU: the k loop's
 // unroll (its trip count is the warp's span): the kernel's choice, by its register budget (kTcUnroll). kUW: the
 // warp index through a shuffle, which ptxas then knows warp-uniform (the tiling's bounds and offsets in uniform
@@ -607,7 +612,7 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
   constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int wm, wn;
-  TT::coords(kUW ? __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0) : int(threadIdx.x >> 5), wm, wn);
+  TT::coords(kUW ? uniform_warp_id() : int(threadIdx.x >> 5), wm, wn);
   int klo, khi;
   span.range(16 * wm, 16 * (wm + WM * (MPW - 1)) + 16, 8 * wn * NTW, 8 * (wn + 1) * NTW, KD, klo, khi);
 #pragma unroll(kU)
