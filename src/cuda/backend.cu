@@ -202,6 +202,20 @@ std::vector<int32_t> far_query_tiles(const Tables& t, int sc) {
   return order_far_tiles(std::move(tiles), work);
 }
 
+// Superblocks a key tile's far walk takes (bwd_k_far's work for it): its sequence's later superblocks.
+int key_tile_walk(const ChunkDesc& c, int sc) { return ((c.len + kChunk - 1) / kChunk - 1) / sc - c.c / sc; }
+
+// Where each CTA of a far backward kernel parks its states (grid + 1 prefix sums, in states of 128 x K), given
+// the states each tile parks (`slots`, in the kernel's most-work-first tile order; items are tile x `heads`):
+// CTA c's first item is item c (tile c / heads), and the items it takes after it come later in that order, so
+// none of them parks more than the first one. Sized by the most any tile needs on every CTA instead, a one-head
+// slice of bwd_k_far at K = 128, T = 16k took 116 MiB of parking for ~58 in use.
+std::vector<int32_t> far_park_first(const std::vector<int>& slots, int heads, int grid) {
+  std::vector<int32_t> first(size_t(grid) + 1, 0);
+  for (int c = 0; c < grid; ++c) first[size_t(c) + 1] = first[size_t(c)] + slots[size_t(c / heads)];
+  return first;
+}
+
 // Per-kernel timing for kernel work (PATHATTN_CUDA_PROFILE=1 in the environment): events between launches,
 // printed to stderr after a synchronize. Off by default: no events, no synchronization.
 class Profile {
@@ -401,24 +415,21 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // the forward's; key side: tiles of a superblock pair's two chunks whose sequence goes on past their
   // superblock; work: the later superblocks.
   std::vector<int32_t> qfar_tiles, kfar_tiles;
-  int qpark = 1, kpark = 1, qfar_grid = 0, kfar_grid = 0;
+  int qfar_grid = 0, kfar_grid = 0;
   // With the gate, only where some sequence is longer than four superblocks (2048 tokens): measured (f+b with
   // the gate, ms, far kernels / bwd_q and bwd_k alone) K = 64 T = 1k 13.73 / 13.37, 4k 24.17 / 24.08, 16k 60.5 /
   // 66.9; K = 128 T = 1k 13.87 / 13.81, 4k 23.27 / 25.01, 16k 57.8 / 69.2 (dev/cuda/NOTES.md v3.35).
   const bool far = far_worth_it(kp, t) && (!pr.gate || longer_than_four_superblocks(pr));
   if (far && bwd_q_far_usable(kp)) {
     qfar_tiles = far_query_tiles(t, kp.sc);
-    for (const int32_t i : qfar_tiles) qpark = std::max(qpark, t.chunks[size_t(i)].c / kp.sc);
   }
   if (far && bwd_k_far_usable(kp)) {
     std::vector<int> work;
     for (size_t i = 0; i < t.chunks.size(); ++i) {
-      const ChunkDesc& c = t.chunks[i];
-      const int last_sb = ((c.len + kChunk - 1) / kChunk - 1) / kp.sc, sbk = c.c / kp.sc;
-      if (c.c % 2 != 0 || last_sb <= sbk) continue;
+      const int walk = key_tile_walk(t.chunks[i], kp.sc);
+      if (t.chunks[i].c % 2 != 0 || walk <= 0) continue;
       kfar_tiles.push_back(int32_t(i));
-      work.push_back(last_sb - sbk);
-      kpark = std::max(kpark, last_sb - sbk - 1);
+      work.push_back(walk);
     }
     kfar_tiles = order_far_tiles(std::move(kfar_tiles), work);
   }
@@ -433,12 +444,18 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   kp.scratch_slots =
       !qfar_tiles.empty() && !kfar_tiles.empty() ? kp.sc : scratch_slot_count(kp.max_chunks, pr.path, kp.sc);
   size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
-  int32_t *qfar_dev = nullptr, *kfar_dev = nullptr;
+  int32_t *qfar_dev = nullptr, *kfar_dev = nullptr, *qpark_dev = nullptr, *kpark_dev = nullptr;
+  int64_t qpark_slots = 0, kpark_slots = 0;
   if (!qfar_tiles.empty() && !kp.kfuse) {
     qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
     if (qfar_grid <= 0) return internal("cuda: no SM count for the query side's far kernel");
-    scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qfar_grid, qpark, int(K)));
+    std::vector<int> slots;  // a query tile parks its states at each earlier superblock
+    for (const int32_t i : qfar_tiles) slots.push_back(t.chunks[size_t(i)].c / kp.sc);
+    const std::vector<int32_t> park_first = far_park_first(slots, int(HQ), qfar_grid);
+    qpark_slots = park_first.back();
+    scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qpark_slots, int(K)));
     PA_TRY(upload_table(ws, qfar_tiles, &qfar_dev));
+    PA_TRY(upload_table(ws, park_first, &qpark_dev));
   }
   float2* lsd = nullptr;
   bool zero_qhat = false;
@@ -446,8 +463,13 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   if (kfar) {
     kfar_grid = far_grid(int64_t(kfar_tiles.size()) * int64_t(H));
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
-    scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kfar_grid, kpark, int(K)));
+    std::vector<int> slots;  // a key tile parks its states at each later superblock but the first
+    for (const int32_t i : kfar_tiles) slots.push_back(key_tile_walk(t.chunks[size_t(i)], kp.sc) - 1);
+    const std::vector<int32_t> park_first = far_park_first(slots, int(H), kfar_grid);
+    kpark_slots = park_first.back();
+    scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kpark_slots, int(K)));
     PA_TRY(upload_table(ws, kfar_tiles, &kfar_dev));
+    PA_TRY(upload_table(ws, park_first, &kpark_dev));
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).
@@ -506,10 +528,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     PA_CU(launch_bwd_q(k1, dt, gq, q_items, counters + 2, s));
     prof.mark("bwd_q(qhat)");
     if (kp.kfuse) {
-      PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
+      PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark_dev, kpark_slots, kfar_grid,
+                             counters + 1, dt, s));
       prof.mark("bwd_k_far(fused)");
     } else {
-      PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark, qfar_grid, counters, dt, s));
+      PA_CU(launch_bwd_q_far(kp, qfar_dev, int(qfar_tiles.size()), qpark_dev, qpark_slots, qfar_grid, counters,
+                             dt, s));
       prof.mark("bwd_q_far");
     }
     kp.qfar = 2;
@@ -518,7 +542,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   prof.mark("bwd_q");
   if (!kfar_tiles.empty()) {  // (with kfuse it ran before bwd_q)
     if (!kp.kfuse) {
-      PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark, kfar_grid, counters + 1, dt, s));
+      PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark_dev, kpark_slots, kfar_grid,
+                             counters + 1, dt, s));
       prof.mark("bwd_k_far");
     }
     kp.kfar = true;

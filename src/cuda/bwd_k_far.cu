@@ -45,7 +45,7 @@ struct KfMaps {
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
   int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
   const float2* lsd;     // [HQ][nchunks][64] (lse in base 2, delta) per query row; +inf past the sequence
-  int park_slots;        // parked states per CTA (128 x K each)
+  const int32_t* park_first;  // [grid + 1] each CTA's first parked state (128 x K each), from far_park_first
 };
 
 template <int K, bool kFuse>
@@ -82,6 +82,9 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   PsPipe ps{kt_empty + 1, kt_empty + 2, PSs};
   constexpr int kWarps = kKfThreads / 32;
   __shared__ float hred[kWarps];  // kFuse: the warps' largest |h| at a crossing
+  // This CTA's first parked row, read from shared memory where used (held in a register from a global load it
+  // cost the fused kernel at K = 128 12 / 12 bytes of spills).
+  __shared__ int park_row0_s;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKfStages; ++st) {
       mbar_init(&full[st], 1);
@@ -92,6 +95,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     mbar_init(kt_empty, kWarps);
     ps.init(kWarps);
     mbar_init_fence();
+    park_row0_s = mp.park_first[blockIdx.x] * kKfKeys;
   }
   __syncthreads();
 
@@ -102,8 +106,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   const int warp = kFuse ? int(threadIdx.x >> 5) : uniform_warp_id(), lane = threadIdx.x & 31, g = lane >> 2,
             t4 = lane & 3, wg = warp >> 2;
   const float sl2 = p.scale * 1.4426950408889634f, gl2 = kGate ? p.gate_scale * 1.4426950408889634f : 0.f;
-  T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kKfKeys * K;
-  const int park_row0 = int(blockIdx.x) * mp.park_slots * kKfKeys;
+  auto park_row0 = [&]() { return park_row0_s; };
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
   uint32_t n_q = 0;     // query items loaded (stage n_q % 3)
   uint32_t n_kv = 0;    // tiles (kv_full)
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
         if (a == sbk + 1) tma_load(Kt + b * kKfKeys * 64, &mp.ks, 64 * b, h, int(tokk0), bar);
-        else tma_load(Kt + b * kKfKeys * 64, &mp.park, 64 * b, park_row0 + (a - sbk - 2) * kKfKeys, bar);
+        else tma_load(Kt + b * kKfKeys * 64, &mp.park, 64 * b, park_row0() + (a - sbk - 2) * kKfKeys, bar);
       }
     };
 
@@ -201,6 +204,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int i = 0; i < n1; ++i) {
         ps.apply<K, true, false>(kt);  // kt <- kt PS^T
         if (threadIdx.x == 0 && i + 1 < 2 * n1) issue_ps(i + 1);
+        T* const park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(park_row0()) * K;
         store_tile<T, K>(park + size_t(i) * kKfKeys * K, K, kt);  // kt_{sbk+2+i}
       }
       // The parked states are read back by TMA (the async proxy).
@@ -515,10 +519,13 @@ bool bwd_k_far_fusable(const KernelParams& p) {
 }
 
 
-size_t bwd_k_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kKfKeys * K; }
+size_t bwd_k_far_park_elems(int64_t park_slots, int K) {
+  return size_t(std::max<int64_t>(park_slots, 1)) * kKfKeys * K;
+}
 
-cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
-                             int grid, int* next, int dtype, cudaStream_t s) {
+cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd,
+                             const int32_t* park_first, int64_t park_slots, int grid, int* next, int dtype,
+                             cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;
   build_lsd_kernel<<<unsigned(int64_t(p.nchunks) * p.HQ), kChunk, 0, s>>>(p, lsd);
   cudaError_t e = cudaGetLastError();
@@ -528,11 +535,11 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
   mp.tiles = tiles;
   mp.next = next;
   mp.lsd = lsd;
-  mp.park_slots = park_slots;
+  mp.park_first = park_first;
   const int64_t NT = int64_t(p.B) * p.T;
   if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, NT, kKfKeys) ||
       !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kKfKeys) ||
-      !map_matrix(&mp.park, dt, p.scratch, p.K, int64_t(grid) * park_slots * kKfKeys, kKfKeys) ||
+      !map_matrix(&mp.park, dt, p.scratch, p.K, std::max<int64_t>(park_slots, 1) * kKfKeys, kKfKeys) ||
       !map_tokens(&mp.qhat, dt, p.qhat, p.K, p.HQ, NT, kChunk) ||
       !map_bthd(&mp.dout, dt, p.dout, p.do_s, p.V, p.HQ, p.T, p.B, kChunk) ||
       !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K) ||

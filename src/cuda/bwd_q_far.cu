@@ -37,7 +37,7 @@ struct QfMaps {
   CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
   int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
-  int park_slots;        // parked states per CTA (128 x K each)
+  const int32_t* park_first;  // [grid + 1] each CTA's first parked state (128 x K each), from far_park_first
 };
 
 template <int K>
@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(kQfThreads, 1) bwd_q_far_kernel(const __grid_c
   const int warp = uniform_warp_id(), lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, wg = warp >> 2;
   const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};  // rows within the warpgroup's chunk
   const float LOG2E = 1.4426950408889634f, sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
-  T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(blockIdx.x) * mp.park_slots * kQfRows * K;
-  const int park_row0 = int(blockIdx.x) * mp.park_slots * kQfRows;
+  const int park_row0 = mp.park_first[blockIdx.x] * kQfRows;
+  T* park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(park_row0) * K;
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
   uint32_t n_c = 0;   // key chunks loaded (stage n_c % 3)
   uint32_t n_qt = 0;  // qt_sb tile loads
@@ -363,19 +363,21 @@ bool bwd_q_far_usable(const KernelParams& p) {
   return far_device_ok(QfSmem<128>::bytes);
 }
 
-size_t bwd_q_far_park_elems(int grid, int park_slots, int K) { return size_t(grid) * park_slots * kQfRows * K; }
+size_t bwd_q_far_park_elems(int64_t park_slots, int K) {
+  return size_t(std::max<int64_t>(park_slots, 1)) * kQfRows * K;
+}
 
-cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, int park_slots, int grid,
-                             int* next, int dtype, cudaStream_t s) {
+cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, const int32_t* park_first,
+                             int64_t park_slots, int grid, int* next, int dtype, cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;
   const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   QfMaps mp{};
   mp.tiles = tiles;
   mp.next = next;
-  mp.park_slots = park_slots;
+  mp.park_first = park_first;
   if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, int64_t(p.B) * p.T, kChunk) ||
       !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kChunk) ||
-      !map_matrix(&mp.park, dt, p.scratch, p.K, int64_t(grid) * park_slots * kQfRows, kQfRows) ||
+      !map_matrix(&mp.park, dt, p.scratch, p.K, std::max<int64_t>(park_slots, 1) * kQfRows, kQfRows) ||
       !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K))
     return cudaErrorInvalidValue;
   const int nitems = ntiles * p.HQ;

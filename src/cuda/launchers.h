@@ -50,29 +50,32 @@ cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems,
 // Query side's far part on sm_90a (bwd_q_far.cu), between bwd_q with p.qfar = 1 (qhat) and with p.qfar = 2:
 // per (tile of two query chunks past their sequence's superblock 0, query head; `tiles` as launch_fwd_far's),
 // adds the far superblocks' dPS (atomics) and writes gbar at the own superblock's start into dqt. Parked query
-// states in p.scratch (bwd_q_far_park_elems, park_slots: the most earlier superblocks of any tile); grid from
-// far_grid; `next`: a zeroed int (its item counter). bwd_q_far_usable: as bwd_k_far_usable, and not in deterministic mode.
+// states in p.scratch (bwd_q_far_park_elems 16-bit elements for park_slots states in all), CTA c's from state
+// park_first[c] on (as bwd_k_far's); grid from far_grid; `next`: a zeroed int (its item counter).
+// bwd_q_far_usable: as bwd_k_far_usable, and not in deterministic mode.
 bool bwd_q_far_usable(const KernelParams& p);
-size_t bwd_q_far_park_elems(int grid, int park_slots, int K);
-cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, int park_slots, int grid,
-                             int* next, int dtype, cudaStream_t s);
+size_t bwd_q_far_park_elems(int64_t park_slots, int K);
+cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, const int32_t* park_first,
+                             int64_t park_slots, int grid, int* next, int dtype, cudaStream_t s);
 // Key side's far part on sm_90a (bwd_k_far.cu), after bwd_q (qhat): per (tile of the two chunks of a superblock
 // pair with later superblocks in their sequence, kv head), writes dks and the far part of dv (into dvk, or added
 // into dvdiag where p.dvk_merged()); bwd_k then runs with p.kfar set. `tiles`: each tile's first (even) chunk's
-// table index, most work first; lsd: [HQ][nchunks][64] float2 (filled here); the parked key states go to p.scratch (bwd_k_far_park_elems 16-bit elements, park_slots
-// states a CTA: the most superblocks any tile's keys cross, last_sb - sbk - 1, at least 1); grid from
-// far_grid; `next` a zeroed int (its item counter). bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
+// table index, most work first; lsd: [HQ][nchunks][64] float2 (filled here); the parked key states go to p.scratch
+// (bwd_k_far_park_elems 16-bit elements for park_slots states in all), CTA c's from state park_first[c] on (a
+// device copy of far_park_first's table); grid from far_grid; `next` a zeroed int (its item counter).
+// bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
 // (no gate). bwd_k_far_fusable: also with p.kfuse (the query side's far part too: no gate, not deterministic,
 // and the device's shared memory holds the dS^T buffers).
 bool bwd_k_far_usable(const KernelParams& p);
 bool bwd_k_far_fusable(const KernelParams& p);
 // One CTA per SM for `items` items of the persistent far kernels (0 without a device).
 int far_grid(int64_t items);
-size_t bwd_k_far_park_elems(int grid, int park_slots, int K);
+size_t bwd_k_far_park_elems(int64_t park_slots, int K);
 // Rows of dqt past the last token: the fused kernel's paired reduction boxes (map_tokens_paired) reach that far.
 inline constexpr int kDqtPadRows = 32;
-cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd, int park_slots,
-                             int grid, int* next, int dtype, cudaStream_t s);
+cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd,
+                             const int32_t* park_first, int64_t park_slots, int grid, int* next, int dtype,
+                             cudaStream_t s);
 // Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk); `next`: the
 // launch's item counter (zeroed).
 cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, int* next, cudaStream_t s);
