@@ -29,8 +29,9 @@ PathBwdParams sub_params(const PathBwdParams& p, const Problem& pr, const Slice&
 // The slices of a call: all of it when cost(all) <= limit; else as few slices of kv heads as fit; when one
 // kv head does not fit and batch_ok (rows of separate sequences: no cu_seqlens), as few slices of batch rows
 // of one head as fit; a (row, head) slice that does not fit runs anyway. Slices are as even as their number
-// allows (the smallest stride that keeps it: 8 rows in two slices of at most 6 are 4 + 4, not 6 + 2, a
-// smaller block and no short slice).
+// allows, the larger ones first (their sizes differ by one at most: 8 rows in two slices of at most 6 are 4 + 4,
+// not 6 + 2; 16 heads in slices of at most 3 are 3 + 3 + 3 + 3 + 2 + 2, not five of 3 and a short one, which
+// one stream would run alone at the end).
 // cost(Slice) must grow with both counts.
 template <class Cost>
 std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, Cost cost) {
@@ -43,19 +44,29 @@ std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, 
     }
     return lo;
   };
-  auto even = [](int64_t n, int64_t m) {  // m per slice -> the same number of slices, evenly filled
-    const int64_t count = (n + m - 1) / m;
-    return (n + count - 1) / count;
+  // n split into parts of at most m: as few parts as that allows, sizes differing by one at most, larger first.
+  auto parts = [](int64_t n, int64_t m) {
+    const int64_t count = (n + m - 1) / m, q = n / count, r = n % count;
+    std::vector<int64_t> out(size_t(count), q);
+    for (int64_t i = 0; i < r; ++i) ++out[size_t(i)];
+    return out;
   };
-  int64_t nh = pr.H, nb = pr.B;
-  if (cost(Slice{0, nb, 0, nh}) > limit) {
-    nh = even(pr.H, largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; }));
-    if (nh == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
-      nb = even(pr.B, largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; }));
+  std::vector<int64_t> heads{pr.H}, rows{pr.B};
+  if (cost(Slice{0, pr.B, 0, pr.H}) > limit) {
+    heads = parts(pr.H, largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; }));
+    if (heads[0] == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
+      rows = parts(pr.B, largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; }));
   }
   std::vector<Slice> out;
-  for (int64_t b0 = 0; b0 < pr.B; b0 += nb)
-    for (int64_t h0 = 0; h0 < pr.H; h0 += nh) out.push_back({b0, std::min(nb, pr.B - b0), h0, std::min(nh, pr.H - h0)});
+  int64_t b0 = 0;
+  for (const int64_t nb : rows) {
+    int64_t h0 = 0;
+    for (const int64_t nh : heads) {
+      out.push_back({b0, nb, h0, nh});
+      h0 += nh;
+    }
+    b0 += nb;
+  }
   return out;
 }
 

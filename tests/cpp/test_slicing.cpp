@@ -52,6 +52,9 @@ TEST(Slicing, PlanFollowsTheLimit) {
   // heads fit 150: two slices, 4 + 3.
   EXPECT_EQ(flat(core::plan_slices(problem(8, 1, 1), true, 160, cost)), (std::vector<int64_t>{0, 4, 0, 1, 4, 4, 0, 1}));
   EXPECT_EQ(flat(core::plan_slices(problem(1, 7, 1), true, 150, cost)), (std::vector<int64_t>{0, 1, 0, 4, 0, 1, 4, 3}));
+  // 3 of 16 heads fit 130: six slices, 3 + 3 + 3 + 3 + 2 + 2 (not five of 3 and one of 1).
+  EXPECT_EQ(flat(core::plan_slices(problem(1, 16, 1), true, 130, cost)),
+            (std::vector<int64_t>{0, 1, 0, 3, 0, 1, 3, 3, 0, 1, 6, 3, 0, 1, 9, 3, 0, 1, 12, 2, 0, 1, 14, 2}));
   // Nothing fits: (row, head) slices all the same.
   EXPECT_EQ(core::plan_slices(pr, true, 1, cost).size(), 15u);
   for (int64_t limit : {1, 105, 125, 160, 250}) {  // every (row, head) exactly once
