@@ -205,9 +205,8 @@ struct BwdK {
       load_tile_async<V>(b.dout, dop + ch.b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2], p.do_s[1], nqv);
       if (from_qhat) {
         load_tile_async<K>(b.q, static_cast<const T*>(p.qhat) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
-      } else {  // q~ in dtype T, rows 2 K elements apart (bwd_q left it in the first half of qtl's fp32 rows)
-        load_tile_async<K>(b.q, reinterpret_cast<const T*>(p.qtl) + (tok * p.HQ + hq) * 2 * K, int64_t(p.HQ) * 2 * K,
-                           nqv);
+      } else {  // q~ in dtype T (bwd_q left it in qtl's fp16 rows)
+        load_tile_async<K>(b.q, reinterpret_cast<const T*>(p.qtl) + (tok * p.HQ + hq) * K, int64_t(p.HQ) * K, nqv);
       }
     };
     auto stage_queries = [&](int qc, int hq, bool from_qhat, QBuf b) {

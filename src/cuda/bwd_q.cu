@@ -11,8 +11,8 @@
 // With p.qfar (bwd_q_far.cu does the far superblocks on Hopper) it runs twice: qfar = 1 writes qhat and stops;
 // qfar = 2 (after bwd_q_far) parks only the own superblock's states and starts pass 2's chain there from dqt.
 // With p.kfuse bwd_k_far takes bwd_q_far's part (dq into dqt, zeroed here by the qhat launch), between the two.
-// The last launch is the last reader of qtl (fp32): once a warp has read its rows it leaves q~ there in the input
-// type, in each row's first half, which bwd_k loads by cp.async as its score operand.
+// The last launch is the last reader of qtl (fp16): once a warp has read its rows it leaves q~ there in the input
+// type, which bwd_k loads by cp.async as its score operand.
 // dP / dPS are per-(chunk / superblock, kv head) K x K sums over query chunks and heads: fp32 reductions, or,
 // in deterministic mode, plain adds in the order of the items (a ticket per sum: an item waits until every
 // earlier item adding into the same sum has added; the grid is persistent and takes items in order, so the
@@ -134,10 +134,11 @@ struct BwdQ {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = rr[hr];
-        const float* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
+        const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
 #pragma unroll
         for (int nt = 0; nt < K / 8; ++nt) {
-          float2 v2 = r < nq ? *reinterpret_cast<const float2*>(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+          float2 v2 = r < nq ? __half22float2(*reinterpret_cast<const __half2*>(src + 8 * nt + 2 * t4))
+                             : make_float2(0.f, 0.f);
           qt[nt][2 * hr] = v2.x;
           qt[nt][2 * hr + 1] = v2.y;
         }

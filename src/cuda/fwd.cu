@@ -82,16 +82,17 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
       Gk[st * kChunk + j] = (p.gate && j < nvalid) ? p.G[(tok + j) * p.HQ + hq] : 0.f;
   };
 
-  // Query state: chunk-start queries q~ (fp32), rows past the sequence are zero.
+  // Query state: chunk-start queries q~ (stored in fp16, held in fp32), rows past the sequence are zero.
   float qt[K / 8][4];
   float Gq[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = rr[hr];
-    const float* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
+    const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt) {
-      float2 v2 = r < nq ? *reinterpret_cast<const float2*>(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+      float2 v2 = r < nq ? __half22float2(*reinterpret_cast<const __half2*>(src + 8 * nt + 2 * t4))
+                         : make_float2(0.f, 0.f);
       qt[nt][2 * hr] = v2.x;
       qt[nt][2 * hr + 1] = v2.y;
     }
@@ -207,7 +208,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     const int64_t row = (tokq0 + r) * p.HQ + hq;
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt)
-      *reinterpret_cast<float2*>(p.qtl + row * K + 8 * nt + 2 * t4) = make_float2(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+      *reinterpret_cast<uint32_t*>(p.qtl + row * K + 8 * nt + 2 * t4) =
+          Pack2<__half>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
 #pragma unroll
     for (int nt = 0; nt < V / 8; ++nt)
       *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =

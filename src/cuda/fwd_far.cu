@@ -1,5 +1,5 @@
 // cuda/fwd_far.cu: the forward's far part on Hopper (sm_90a). fwd_scan, run with p.ofar set, stops at its own
-// superblock's first chunk and leaves there the query state moved to the superblock's start (fp32, in qtl),
+// superblock's first chunk and leaves there the query state moved to the superblock's start (fp16, in qtl),
 // the output so far (normalized, fp32, ofar) and its log2-sum-exp (lsefar). This kernel continues each
 // query chunk from that state across the earlier superblocks: attention against their keys moved to the
 // superblock's end (ks), then the query across the superblock, qt <- qt PS, the same fp16 product as
@@ -169,10 +169,11 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
       const int r = rr[hr];
       const bool ok = r < nq;
       const int64_t row = (tokq0 + r) * p.HQ + hq;
-      const float* qrow = p.qtl + row * K;
+      const __half* qrow = p.qtl + row * K;
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt) {
-        const float2 v2 = ok ? *reinterpret_cast<const float2*>(qrow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+        const float2 v2 = ok ? __half22float2(*reinterpret_cast<const __half2*>(qrow + 8 * nt + 2 * t4))
+                             : make_float2(0.f, 0.f);
         qt[nt][2 * hr] = v2.x;
         qt[nt][2 * hr + 1] = v2.y;
       }

@@ -78,8 +78,8 @@ struct KernelParams {
   __half* w16;      // [NT, H, K]   w in fp16 (transport operand)
   __half* w2h;      // [NT, H, K]   W2 = E diag(beta) W per chunk, fp16
   void* kt;         // [NT, H, K]   keys moved to their chunk's end, dtype of k
-  float* qtl;       // [NT, HQ, K]  queries moved to their chunk's start (fp32; in the backward, once bwd_q's last
-                    //              launch has read a row, the row's first half holds it in the dtype of q for bwd_k)
+  __half* qtl;      // [NT, HQ, K]  queries moved to their chunk's start (fp16; in the backward, once bwd_q's last
+                    //              launch has read a row, the row holds it in the dtype of q for bwd_k)
   float* aloc;      // [NT, HQ, C]  diagonal-chunk logits (unscaled); backward: scale * dS of the diagonal
   float* G;         // [NT, HQ]     inclusive gate cumsum (gate only)
   float* gc;        // [HQ, nchunks, 64] the same times gate_scale log2(e), by chunk: the far kernels' bulk

@@ -22,7 +22,7 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   A = strict_lower(diag(b) W W^T); E = (I + A)^-1; W2 = E diag(b) W; Z = strict_lower(W K^T);
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
-// Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp32), aloc (fp32) per query head, and in the
+// Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp16), aloc (fp32) per query head, and in the
 // backward (p.E set) E (fp32).
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
 // 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
@@ -232,8 +232,8 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
         [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
         [&](int r, int d, float v, float u) {
           if (r < nq)
-            *reinterpret_cast<float2*>(p.qtl + ((tok0 + r) * p.HQ + hq) * K + d) =
-                make_float2(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
+            *reinterpret_cast<uint32_t*>(p.qtl + ((tok0 + r) * p.HQ + hq) * K + d) =
+                Pack2<__half>::pack(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
     // A_loc = tril_incl(Q K^T - X U): two passes into one accumulator, Q K^T on 16-bit mma (q and k are exact in
