@@ -71,7 +71,7 @@ std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, 
 }
 
 // A plan with the streams that run it: slices taken by the streams in turn, each stream's slices sharing one
-// block of `block` bytes (the first slice's cost: the others are it or a remainder).
+// block of `block` bytes (the first slice's cost: plan_slices puts the largest first).
 struct LanePlan {
   std::vector<Slice> slices;
   int lanes = 1;

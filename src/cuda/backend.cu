@@ -671,7 +671,7 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
   // -> 16 of one head on two); at most twice as many slices -> four times: K = 64, T = 2k 20.05 -> 19.52, 4k
   // 24.75 -> 23.61, 8k 32.39 -> 31.17 (backward: 7 slices of five heads on one stream -> 16 of two heads on
   // two), K = 128, T = 1k 17.57 -> 16.88, 8k 31.43 -> 30.89 (8 slices of two heads -> 32 of one head and half
-  // the rows). The first slice of a plan is its largest (the others are it or a remainder), so its workspace
+  // the rows). The first slice of a plan is its largest (plan_slices puts the larger parts first), so its workspace
   // sizes the blocks.
   // A deterministic backward over sequences longer than four superblocks runs one stream: its dP sums go in a
   // fixed order along each (sequence, kv head), so a slice's parallelism is its count of those chains, and one
