@@ -446,16 +446,21 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
   int32_t *qfar_dev = nullptr, *kfar_dev = nullptr, *qpark_dev = nullptr, *kpark_dev = nullptr;
   int64_t qpark_slots = 0, kpark_slots = 0;
+  // A far kernel's parking table (far_park_first) on the device and its states in all (at least one: the scratch
+  // and its tensor map need a row even where no tile parks).
+  auto park_table = [&](const std::vector<int>& slots, int heads, int grid, int32_t** dev, int64_t* total) {
+    const std::vector<int32_t> first = far_park_first(slots, heads, grid);
+    *total = std::max<int64_t>(first.back(), 1);
+    return upload_table(ws, first, dev);
+  };
   if (!qfar_tiles.empty() && !kp.kfuse) {
     qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
     if (qfar_grid <= 0) return internal("cuda: no SM count for the query side's far kernel");
     std::vector<int> slots;  // a query tile parks its states at each earlier superblock
     for (const int32_t i : qfar_tiles) slots.push_back(t.chunks[size_t(i)].c / kp.sc);
-    const std::vector<int32_t> park_first = far_park_first(slots, int(HQ), qfar_grid);
-    qpark_slots = park_first.back();
+    PA_TRY(park_table(slots, int(HQ), qfar_grid, &qpark_dev, &qpark_slots));
     scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qpark_slots, int(K)));
     PA_TRY(upload_table(ws, qfar_tiles, &qfar_dev));
-    PA_TRY(upload_table(ws, park_first, &qpark_dev));
   }
   float2* lsd = nullptr;
   bool zero_qhat = false;
@@ -465,11 +470,9 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
     std::vector<int> slots;  // a key tile parks its states at each later superblock but the first
     for (const int32_t i : kfar_tiles) slots.push_back(key_tile_walk(t.chunks[size_t(i)], kp.sc) - 1);
-    const std::vector<int32_t> park_first = far_park_first(slots, int(H), kfar_grid);
-    kpark_slots = park_first.back();
+    PA_TRY(park_table(slots, int(H), kfar_grid, &kpark_dev, &kpark_slots));
     scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kpark_slots, int(K)));
     PA_TRY(upload_table(ws, kfar_tiles, &kfar_dev));
-    PA_TRY(upload_table(ws, park_first, &kpark_dev));
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).

@@ -519,9 +519,7 @@ bool bwd_k_far_fusable(const KernelParams& p) {
 }
 
 
-size_t bwd_k_far_park_elems(int64_t park_slots, int K) {
-  return size_t(std::max<int64_t>(park_slots, 1)) * kKfKeys * K;
-}
+size_t bwd_k_far_park_elems(int64_t park_slots, int K) { return size_t(park_slots) * kKfKeys * K; }
 
 cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd,
                              const int32_t* park_first, int64_t park_slots, int grid, int* next, int dtype,
@@ -539,7 +537,7 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
   const int64_t NT = int64_t(p.B) * p.T;
   if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, NT, kKfKeys) ||
       !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kKfKeys) ||
-      !map_matrix(&mp.park, dt, p.scratch, p.K, std::max<int64_t>(park_slots, 1) * kKfKeys, kKfKeys) ||
+      !map_matrix(&mp.park, dt, p.scratch, p.K, park_slots * kKfKeys, kKfKeys) ||
       !map_tokens(&mp.qhat, dt, p.qhat, p.K, p.HQ, NT, kChunk) ||
       !map_bthd(&mp.dout, dt, p.dout, p.do_s, p.V, p.HQ, p.T, p.B, kChunk) ||
       !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K) ||

@@ -363,9 +363,7 @@ bool bwd_q_far_usable(const KernelParams& p) {
   return far_device_ok(QfSmem<128>::bytes);
 }
 
-size_t bwd_q_far_park_elems(int64_t park_slots, int K) {
-  return size_t(std::max<int64_t>(park_slots, 1)) * kQfRows * K;
-}
+size_t bwd_q_far_park_elems(int64_t park_slots, int K) { return size_t(park_slots) * kQfRows * K; }
 
 cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int ntiles, const int32_t* park_first,
                              int64_t park_slots, int grid, int* next, int dtype, cudaStream_t s) {
@@ -377,7 +375,7 @@ cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int nt
   mp.park_first = park_first;
   if (!map_tokens(&mp.ks, dt, p.ks, p.K, p.H, int64_t(p.B) * p.T, kChunk) ||
       !map_bthd(&mp.v, dt, p.v, p.v_s, p.V, p.H, p.T, p.B, kChunk) ||
-      !map_matrix(&mp.park, dt, p.scratch, p.K, std::max<int64_t>(park_slots, 1) * kQfRows, kQfRows) ||
+      !map_matrix(&mp.park, dt, p.scratch, p.K, park_slots * kQfRows, kQfRows) ||
       !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K))
     return cudaErrorInvalidValue;
   const int nitems = ntiles * p.HQ;

@@ -172,8 +172,7 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
       const __half* qrow = p.qtl + row * K;
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt) {
-        const float2 v2 = ok ? __half22float2(*reinterpret_cast<const __half2*>(qrow + 8 * nt + 2 * t4))
-                             : make_float2(0.f, 0.f);
+        const float2 v2 = ok ? pair_f(qrow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
         qt[nt][2 * hr] = v2.x;
         qt[nt][2 * hr + 1] = v2.y;
       }

@@ -50,7 +50,7 @@ cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems,
 // Query side's far part on sm_90a (bwd_q_far.cu), between bwd_q with p.qfar = 1 (qhat) and with p.qfar = 2:
 // per (tile of two query chunks past their sequence's superblock 0, query head; `tiles` as launch_fwd_far's),
 // adds the far superblocks' dPS (atomics) and writes gbar at the own superblock's start into dqt. Parked query
-// states in p.scratch (bwd_q_far_park_elems 16-bit elements for park_slots states in all), CTA c's from state
+// states in p.scratch (bwd_q_far_park_elems 16-bit elements for park_slots >= 1 states in all), CTA c's from state
 // park_first[c] on (as bwd_k_far's); grid from far_grid; `next`: a zeroed int (its item counter).
 // bwd_q_far_usable: as bwd_k_far_usable, and not in deterministic mode.
 bool bwd_q_far_usable(const KernelParams& p);
@@ -61,7 +61,7 @@ cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int nt
 // pair with later superblocks in their sequence, kv head), writes dks and the far part of dv (into dvk, or added
 // into dvdiag where p.dvk_merged()); bwd_k then runs with p.kfar set. `tiles`: each tile's first (even) chunk's
 // table index, most work first; lsd: [HQ][nchunks][64] float2 (filled here); the parked key states go to p.scratch
-// (bwd_k_far_park_elems 16-bit elements for park_slots states in all), CTA c's from state park_first[c] on (a
+// (bwd_k_far_park_elems 16-bit elements for park_slots >= 1 states in all), CTA c's from state park_first[c] on (a
 // device copy of far_park_first's table); grid from far_grid; `next` a zeroed int (its item counter).
 // bwd_k_far_usable: this build and device run it and p's shapes and strides suit its tiles
 // (no gate). bwd_k_far_fusable: also with p.kfuse (the query side's far part too: no gate, not deterministic,
