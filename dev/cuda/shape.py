@@ -35,6 +35,10 @@ def main():
                          "in between: near the long call's GPU time means a call's uploads wait for the stream")
     ap.add_argument("--ws-limit-mib", type=int, default=0,
                     help="the calls' workspace limit in MiB (0: the library's default, -1: none)")
+    ap.add_argument("--dump", default="", help="save o, lse and the gradients of the first call to this file")
+    ap.add_argument("--compare", default="",
+                    help="a --dump file of another build on the same shape: print which tensors differ and by how "
+                         "much (bitwise comparisons need --deterministic on both)")
     a = ap.parse_args()
     gb.load_lib(a.lib)
     gb.set_workspace_limit(a.ws_limit_mib * 2**20)
@@ -51,6 +55,21 @@ def main():
     torch.cuda.synchronize()
     print(f"workspace high-water {gb.LIB.pathattn_cuda_pool_high_water(0) / 2**20:.0f} MiB "
           f"(limit {'default' if a.ws_limit_mib == 0 else a.ws_limit_mib})", flush=True)
+    outs = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv, dw=dw, dbeta=dbeta, dg=dg)
+    if a.dump:
+        torch.save({n: x.cpu() for n, x in outs.items() if x is not None}, a.dump)
+    if a.compare:
+        other = torch.load(a.compare)
+        for n, x in outs.items():
+            if x is None or n not in other:
+                continue
+            y, x = other[n].float(), x.cpu().float()
+            same = torch.equal(x.view(-1), y.view(-1)) or (torch.isnan(x) == torch.isnan(y)).all() and torch.equal(
+                torch.nan_to_num(x), torch.nan_to_num(y))
+            diff = (x - y).abs().max().item()
+            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+            print(f"[compare] {n}: {'bitwise equal' if same else 'differs'} (max abs {diff:.3e}, rel L2 {rel:.2e})",
+                  flush=True)
     if a.no_time:
         return
     if a.stall_check:

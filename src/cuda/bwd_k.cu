@@ -104,11 +104,13 @@ struct BwdK {
       auto issue_w = [&](int qc, int b) {
         load_chunk_w_async<K>(p, seq_tok0 + int64_t(qc) * kChunk, h, b ? sqh : Ws, b ? sqh + kChunk * LK : W2s);
       };
-      const int qc_end = lastl < last - 1 ? lastl : last - 1;  // the last step's chunk
+      // The last step's chunk: none across the sequence's last chunk; with p.kfar none across the superblock's
+      // last either (that step gives the key at the superblock's end, which only the far loop below uses).
+      const int qc_end = far && p.kfar ? lastl - 1 : (lastl < last - 1 ? lastl : last - 1);
       if (kc + 1 <= qc_end) issue_w(kc + 1, 0);
       for (int qc = kc + 1; qc <= lastl; ++qc) {
         park(kt, qc - kc - 1);
-        if (qc == last) break;
+        if (qc > qc_end) break;
         const int b = (qc - kc - 1) & 1;
         __syncthreads();  // the step before is done with the other buffer
         if (qc + 1 <= qc_end) {

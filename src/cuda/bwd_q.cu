@@ -161,11 +161,13 @@ struct BwdQ {
       auto issue_w = [&](int kc, int b) {
         load_chunk_w_async<K>(p, seq_tok0 + int64_t(kc) * kChunk, h, b ? kvh : Ws, b ? kvh + kChunk * LK : W2s);
       };
-      const int kc_end = first > 1 ? first : 1;  // the last step's chunk (none past chunk 0)
+      // The last step's chunk: none past chunk 0; with p.qfar == 2 none across chunk `first` either (that step
+      // gives qhat, which the qfar == 1 launch wrote and this launch does not use).
+      const int kc_end = p.qfar == 2 ? first + 1 : (first > 1 ? first : 1);
       if (kPf1 && qc - 1 >= kc_end) issue_w(qc - 1, 0);
       for (int kc = qc - 1; kc >= first; --kc) {
         if (p.qfar != 1) park(kc - first);
-        if (kc == 0) break;
+        if (kc < kc_end) break;
         const int b = kPf1 ? (qc - 1 - kc) & 1 : 0;
         __syncthreads();  // the step before is done with the other buffer (or, without kPf1, this one)
         if (!kPf1) issue_w(kc, 0);
@@ -293,8 +295,8 @@ struct BwdQ {
             *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t4) = make_float2(dv[0][nt][2 * hr], dv[0][nt][2 * hr + 1]);
         }
       }
-      // Gate terms of the diagonal: + row sums, - column sums (fixed order: deterministic).
-      if (threadIdx.x < kChunk) {
+      // Gate terms of the diagonal: + row sums, - column sums (fixed order: deterministic). Read with the gate only.
+      if (p.gate && threadIdx.x < kChunk) {
         const int r = threadIdx.x;
         float a = 0.f, b = 0.f;
         for (int c = 0; c < kChunk; ++c) {

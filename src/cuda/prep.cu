@@ -427,28 +427,33 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
 // carried the far gradient into dk~. Both chains are right products, so a block of rows of M and R runs on
 // its own; dP_c is then the sum over the blocks of M_c[J, :]^T R_c[J, :], added with fp32 atomics. With
 // MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation.
-// With kPf two sets of a chunk's tiles, the next chunk's loading by cp.async while this chunk's products run
+// kMode >= 1: two sets of a chunk's tiles, the next chunk's loading by cp.async while this chunk's products run
 // (where the device's shared memory holds them: not at MR = K = 128 on Hopper), else one, staged when needed.
+// kMode == 2 (where that fits too): also pass 2's M_c staged from the scratch (Ms, by cp.async during the step
+// before), so that the dP product reads its A operand from shared memory rather than from L2 inside its k loop.
 // Its products take the plain warp index (kUW false, as bwd_chunk's): the shuffled one saved registers here but
 // ran 1 .. 2% slower (dev/cuda/NOTES.md v3.47).
-template <int K, int MR, bool kPf>
+template <int K, int MR, int kMode>
 struct SuperBwdSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
   static constexpr size_t set = 3 * 2 * size_t(kChunk) * LT;  // a chunk's k~, W and W2 tiles
   static constexpr size_t base = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM);
-  static constexpr bool kPrefetch = kPf;
-  static constexpr size_t bytes = base + (kPf ? 2 : 1) * set;
+  static constexpr bool kPrefetch = kMode >= 1, kStageM = kMode == 2;
+  static constexpr int LMS = K + 8;  // Ms's pitch: a fragment's (row, k) reads fall in 32 banks
+  static constexpr size_t ms = kStageM ? sizeof(float) * size_t(MR) * LMS : 0;
+  static constexpr size_t bytes = base + (kPrefetch ? 2 : 1) * set + ms;
 };
 
-template <typename T, int K, int MR, bool kPf>
+template <typename T, int K, int MR, int kMode>
 __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams p, int nitems) {
-  using S = SuperBwdSmem<K, MR, kPf>;
+  using S = SuperBwdSmem<K, MR, kMode>;
   constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / MR;
   extern __shared__ float sm[];
   float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of M (pass 1), then of R (pass 2)
   float* Yf = Rf + MR * LM;
   float* dKs = Yf + MR * LY;      // [64][LM] dks of one chunk
   uint8_t* sets = reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
+  float* Ms = reinterpret_cast<float*>(sets + (S::kPrefetch ? 2 : 1) * S::set);  // [MR][LMS] M_c (kStageM)
   auto kt_of = [&](int st) { return reinterpret_cast<T*>(sets + st * S::set); };
   auto w_of = [&](int st) { return reinterpret_cast<__half*>(kt_of(st) + kChunk * LT); };  // W2 follows W
   float* Msc = p.sscr + size_t(blockIdx.x) * p.sc * MR * K;
@@ -475,6 +480,14 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       if (grp == 0) load_tile_async<K>(w, p.w16 + row, stride, kChunk, gt);
       else if (grp == 1) load_tile_async<K>(w + kChunk * LT, p.w2h + row, stride, kChunk, gt);
       else if (grp == 2 && i >= pass1) load_tile_async<K>(kt_of(set_of(i)), ktp + row, stride, kChunk, gt);
+      cp_async_commit();
+    };
+    auto issue_m = [&](int c) {  // prefetch: M_c's rows of this block from the scratch into Ms, committed
+      const float* src = Msc + size_t(c) * MR * K;
+      for (int idx = tid; idx < MR * K / 4; idx += blockDim.x) {
+        const int r = idx / (K / 4), col = 4 * (idx % (K / 4));
+        cp_async16(Ms + r * S::LMS + col, src + r * K + col, true);
+      }
       cp_async_commit();
     };
     auto issue_dks = [&](int c) {  // prefetch: chunk c's dks rows (fp32) by cp.async, committed
@@ -518,6 +531,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     __syncthreads();
     const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
+    if constexpr (S::kStageM) issue_m(0);
     for (int c = 0; c < p.sc; ++c) {
       __syncthreads();
       const int i = pass1 + c;
@@ -527,22 +541,31 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
           if (i + 1 < loads) issue(i + 1);
         }
       }
-      const float* Mc = Msc + size_t(c) * MR * K;
+      if constexpr (S::kStageM) {  // M_c, issued a step earlier (this step's dks and next tiles may stay in flight)
+        if (c < p.sc - 1 && i + 1 < loads) cp_async_wait_group<2>();
+        else if (c < p.sc - 1) cp_async_wait_group<1>();
+        else cp_async_wait_all();
+        __syncthreads();
+      }
+      // The dP product's A operand, M_c^T: staged (kStageM) or from the scratch.
+      auto mct = [&](int r, int k) {
+        if constexpr (S::kStageM) return Ms[k * S::LMS + r];
+        else return Msc[size_t(c) * MR * K + size_t(k) * K + r];
+      };
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
       if constexpr (NB == 1) {
-        block_mm_tc<K, K, MR, false, 4, false>([&](int r, int k) { return Mc[k * K + r]; },
-                                               [&](int k, int n) { return Rf[k * LM + n]; },
+        block_mm_tc<K, K, MR, false, 4, false>(mct, [&](int k, int n) { return Rf[k * LM + n]; },
                                                [&](int r, int n, float v) { dP[r * K + n] += v; });
       } else {  // the row blocks' partials: vector reductions (no barrier needed: the operands stay as they are)
         typename TcTile<K, K>::Acc acc;
         TcTile<K, K>::zero(acc);
-        mma_tc_acc<K, K, MR, false, 4, false>(acc, [&](int r, int k) { return Mc[k * K + r]; },
-                                              [&](int k, int n) { return Rf[k * LM + n]; });
+        mma_tc_acc<K, K, MR, false, 4, false>(acc, mct, [&](int k, int n) { return Rf[k * LM + n]; });
         red_add_tile<K, K>(dP, K, acc);
       }
       if (c == p.sc - 1) break;
       wait_load(i);
-      __syncthreads();
+      __syncthreads();  // (also: every warp is done with Ms)
+      if constexpr (S::kStageM) issue_m(c + 1);
       const T* Kt = kt_of(set_of(i));
       const __half* Ws = w_of(set_of(i));
       const __half* W2s = Ws + kChunk * LT;
@@ -650,7 +673,7 @@ static auto with_rows(int rows, F f) {
 
 template <int K>
 static size_t super_bwd_two_sets(int rows) {
-  return with_rows<K>(rows, [](auto mr) { return SuperBwdSmem<K, decltype(mr)::value, true>::bytes; });
+  return with_rows<K>(rows, [](auto mr) { return SuperBwdSmem<K, decltype(mr)::value, 1>::bytes; });
 }
 int super_bwd_rows(int K, int items, bool whole, int sms, int optin) {
   int rows = super_rows(K, items, whole, sms);
@@ -662,7 +685,7 @@ int super_bwd_rows(int K, int items, bool whole, int sms, int optin) {
 
 // The least shared memory the superblock kernels run with (one set of tiles).
 size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSmem<128>::bytes; }
-size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64, false>::bytes : SuperBwdSmem<128, 128, false>::bytes; }
+size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64, 0>::bytes : SuperBwdSmem<128, 128, 0>::bytes; }
 
 template <typename T, int K>
 static cudaError_t super_t(const KernelParams& p, int rows, cudaStream_t s) {
@@ -682,11 +705,14 @@ template <typename T, int K>
 static cudaError_t super_bwd_t(const KernelParams& p, int rows, int grid, int optin, cudaStream_t s) {
   return with_rows<K>(rows, [&](auto mr) {
     constexpr int MR = decltype(mr)::value;
-    if (SuperBwdSmem<K, MR, true>::bytes <= size_t(optin))
-      return launch_with_smem(super_bwd_kernel<T, K, MR, true>, dim3(grid), kPrepThreads,
-                              SuperBwdSmem<K, MR, true>::bytes, s, p, p.nsuper * p.H);
-    return launch_with_smem(super_bwd_kernel<T, K, MR, false>, dim3(grid), kPrepThreads,
-                            SuperBwdSmem<K, MR, false>::bytes, s, p, p.nsuper * p.H);
+    if (SuperBwdSmem<K, MR, 2>::bytes <= size_t(optin))
+      return launch_with_smem(super_bwd_kernel<T, K, MR, 2>, dim3(grid), kPrepThreads, SuperBwdSmem<K, MR, 2>::bytes,
+                              s, p, p.nsuper * p.H);
+    if (SuperBwdSmem<K, MR, 1>::bytes <= size_t(optin))
+      return launch_with_smem(super_bwd_kernel<T, K, MR, 1>, dim3(grid), kPrepThreads, SuperBwdSmem<K, MR, 1>::bytes,
+                              s, p, p.nsuper * p.H);
+    return launch_with_smem(super_bwd_kernel<T, K, MR, 0>, dim3(grid), kPrepThreads, SuperBwdSmem<K, MR, 0>::bytes,
+                            s, p, p.nsuper * p.H);
   });
 }
 
