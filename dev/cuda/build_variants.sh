@@ -14,6 +14,8 @@
 # Then on the GPU machine: dev/cuda/ab_shapes.sh gpu-variants/head/libpathattn_capi.so gpu-variants/NAME/... or
 # python3 dev/cuda/timeline.py --lib gpu-variants/NAME/libpathattn_capi.so (per-kernel totals of one call), or
 # (diagnostic builds, whose results are wrong) the one-slice [profile] split of dev/cuda/shape.py --ws-limit-mib -1.
+# Whether a variant computes the same bits: dev/cuda/shape.py --deterministic --dump head.pt with the head's library,
+# then --deterministic --compare head.pt with the variant's (same shape arguments).
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 BUILD_DIR OUT_DIR [PATCH[:MACRO=VALUE,...] ...]" >&2
