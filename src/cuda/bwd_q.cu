@@ -137,7 +137,7 @@ struct BwdQ {
         const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
 #pragma unroll
         for (int nt = 0; nt < K / 8; ++nt) {
-          float2 v2 = r < nq ? pair_f(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+          float2 v2 = r < nq ? load_qstate<T>(p, src, ch.b, posq0 + r, hq, 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
           qt[nt][2 * hr] = v2.x;
           qt[nt][2 * hr + 1] = v2.y;
         }

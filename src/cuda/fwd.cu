@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt) {
-      float2 v2 = r < nq ? pair_f(src + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+      float2 v2 = r < nq ? load_qstate<T>(p, src, ch.b, ch.t0 + int64_t(qc) * kChunk + r, hq, 8 * nt + 2 * t4)
+                         : make_float2(0.f, 0.f);
       qt[nt][2 * hr] = v2.x;
       qt[nt][2 * hr + 1] = v2.y;
     }

@@ -94,6 +94,7 @@ std::string CaseSpec::name() const {
   }
   static const char* bm[] = {"beta_u02", "beta_2", "beta_0", "beta_near2"};
   s << "_" << bm[int(beta)] << "_seed" << seed;
+  if (q_scale != 1) s << "_qx" << q_scale;
   return s.str();
 }
 
@@ -116,6 +117,8 @@ Case Case::make(const CaseSpec& s0) {
   c.k = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
   c.v = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
   randn(c.q);
+  if (s.q_scale != 1)
+    for (int64_t i = 0; i < c.q.numel(); ++i) c.q.set(i, c.q.get(i) * s.q_scale);
   randn(c.k);
   randn(c.v);
   if (s.path) {

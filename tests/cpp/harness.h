@@ -51,6 +51,7 @@ struct CaseSpec {
   BetaMode beta = BetaMode::uniform02;
   uint64_t seed = 1;
   double gate_scale = kDefaultScale;
+  double q_scale = 1;                   // q ~ N(0, q_scale^2) (range cases: entries beyond fp16's)
   std::string name() const;
 };
 // gtest prints parameters through this (readable test logs instead of a byte dump).
