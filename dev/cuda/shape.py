@@ -63,9 +63,9 @@ def main():
         for n, x in outs.items():
             if x is None or n not in other:
                 continue
-            y, x = other[n].float(), x.cpu().float()
-            same = torch.equal(x.view(-1), y.view(-1)) or (torch.isnan(x) == torch.isnan(y)).all() and torch.equal(
-                torch.nan_to_num(x), torch.nan_to_num(y))
+            x, y = x.cpu().contiguous(), other[n].contiguous()
+            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            x, y = x.float(), y.float()
             diff = (x - y).abs().max().item()
             rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
             print(f"[compare] {n}: {'bitwise equal' if same else 'differs'} (max abs {diff:.3e}, rel L2 {rel:.2e})",

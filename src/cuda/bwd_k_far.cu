@@ -106,7 +106,6 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   const int warp = kFuse ? int(threadIdx.x >> 5) : uniform_warp_id(), lane = threadIdx.x & 31, g = lane >> 2,
             t4 = lane & 3, wg = warp >> 2;
   const float sl2 = p.scale * 1.4426950408889634f, gl2 = kGate ? p.gate_scale * 1.4426950408889634f : 0.f;
-  auto park_row0 = [&]() { return park_row0_s; };
   // Running counts of this CTA's barrier uses (every thread counts the same; phases are their parities).
   uint32_t n_q = 0;     // query items loaded (stage n_q % 3)
   uint32_t n_kv = 0;    // tiles (kv_full)
@@ -179,7 +178,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
         if (a == sbk + 1) tma_load(Kt + b * kKfKeys * 64, &mp.ks, 64 * b, h, int(tokk0), bar);
-        else tma_load(Kt + b * kKfKeys * 64, &mp.park, 64 * b, park_row0() + (a - sbk - 2) * kKfKeys, bar);
+        else tma_load(Kt + b * kKfKeys * 64, &mp.park, 64 * b, park_row0_s + (a - sbk - 2) * kKfKeys, bar);
       }
     };
 
@@ -204,7 +203,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int i = 0; i < n1; ++i) {
         ps.apply<K, true, false>(kt);  // kt <- kt PS^T
         if (threadIdx.x == 0 && i + 1 < 2 * n1) issue_ps(i + 1);
-        T* const park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(park_row0()) * K;
+        T* const park = static_cast<T*>(static_cast<void*>(p.scratch)) + size_t(park_row0_s) * K;
         store_tile<T, K>(park + size_t(i) * kKfKeys * K, K, kt);  // kt_{sbk+2+i}
       }
       // The parked states are read back by TMA (the async proxy).

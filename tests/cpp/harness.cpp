@@ -110,15 +110,13 @@ Case Case::make(const CaseSpec& s0) {
   std::normal_distribution<double> nd(0.0, 1.0);
   std::uniform_real_distribution<double> ud(0.0, 1.0);
   const DType fdt = s.dtype == DType::f64 ? DType::f64 : DType::f32;
-  auto randn = [&](HostTensor& t) {
-    for (int64_t i = 0; i < t.numel(); ++i) t.set(i, nd(rng));
+  auto randn = [&](HostTensor& t, double scale = 1) {
+    for (int64_t i = 0; i < t.numel(); ++i) t.set(i, scale * nd(rng));
   };
   c.q = HostTensor(s.dtype, {s.B, s.T, s.HQ, s.K});
   c.k = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
   c.v = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
-  randn(c.q);
-  if (s.q_scale != 1)
-    for (int64_t i = 0; i < c.q.numel(); ++i) c.q.set(i, c.q.get(i) * s.q_scale);
+  randn(c.q, s.q_scale);
   randn(c.k);
   randn(c.v);
   if (s.path) {
