@@ -77,8 +77,9 @@ struct BwdQSmem {
 };
 
 // kDetCols: the deterministic mode's gate column sums (ordered adds; a variant of its own, so that the default
-// mode's register allocation is not touched).
-template <typename T, int K, int V, bool kDetCols>
+// mode's register allocation is not touched). kPlain: plain attention (p.path false), which reads q itself for
+// its query state (load_qstate).
+template <typename T, int K, int V, bool kDetCols, bool kPlain>
 struct BwdQ {
   using S = BwdQSmem<K, V>;
   static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
@@ -137,7 +138,8 @@ struct BwdQ {
         const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
 #pragma unroll
         for (int nt = 0; nt < K / 8; ++nt) {
-          float2 v2 = r < nq ? load_qstate<T>(p, src, ch.b, posq0 + r, hq, 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+          float2 v2 =
+              r < nq ? load_qstate<T, kPlain>(p, src, ch.b, posq0 + r, hq, 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
           qt[nt][2 * hr] = v2.x;
           qt[nt][2 * hr + 1] = v2.y;
         }
@@ -619,11 +621,11 @@ struct BwdQ {
   }
 };
 
-template <typename T, int K, int V, bool kDetCols>
+template <typename T, int K, int V, bool kDetCols, bool kPlain>
 __global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(KernelParams p, int nitems,
                                                                              int* next_item) {
   extern __shared__ __align__(16) uint8_t smem[];
-  BwdQ<T, K, V, kDetCols> w;
+  BwdQ<T, K, V, kDetCols, kPlain> w;
   w.carve(smem);
   __half* scratch = p.scratch + size_t(blockIdx.x) * p.scratch_slots * kChunk * K;
   // Items (most work first) are started in order from a counter as CTAs free up: a slice of one kv head has a
@@ -640,24 +642,28 @@ __global__ void __launch_bounds__(kBwdThreads, K == 64 ? 3 : 2) bwd_q_kernel(Ker
   }
 }
 
-template <typename T, int K, int V, bool kDetCols = false>
+template <typename T, int K, int V, bool kDetCols = false, bool kPlain = false>
 cudaError_t set_attr() {
-  return cudaFuncSetAttribute(bwd_q_kernel<T, K, V, kDetCols>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return cudaFuncSetAttribute(bwd_q_kernel<T, K, V, kDetCols, kPlain>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(BwdQSmem<K, V>::bytes));
 }
 
-template <typename T, int K, int V, bool kDetCols>
+template <typename T, int K, int V, bool kDetCols, bool kPlain>
 cudaError_t run_kernel(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
-  cudaError_t e = set_attr<T, K, V, kDetCols>();
+  cudaError_t e = set_attr<T, K, V, kDetCols, kPlain>();
   if (e != cudaSuccess) return e;
-  bwd_q_kernel<T, K, V, kDetCols><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems, next);
+  bwd_q_kernel<T, K, V, kDetCols, kPlain><<<grid, kBwdThreads, BwdQSmem<K, V>::bytes, s>>>(p, nitems, next);
   return cudaGetLastError();
 }
 
 template <typename T, int K, int V>
 cudaError_t run_t(const KernelParams& p, int grid, int nitems, int* next, cudaStream_t s) {
-  return p.deterministic && p.dgq ? run_kernel<T, K, V, true>(p, grid, nitems, next, s)
-                                  : run_kernel<T, K, V, false>(p, grid, nitems, next, s);
+  const bool det = p.deterministic && p.dgq;
+  if (!p.path)
+    return det ? run_kernel<T, K, V, true, true>(p, grid, nitems, next, s)
+               : run_kernel<T, K, V, false, true>(p, grid, nitems, next, s);
+  return det ? run_kernel<T, K, V, true, false>(p, grid, nitems, next, s)
+             : run_kernel<T, K, V, false, false>(p, grid, nitems, next, s);
 }
 
 // The CTAs of the default variant that fit at once (the ordered variant has the same launch bounds and shared
@@ -666,7 +672,8 @@ template <typename T, int K, int V>
 int grid_t() {
   if (set_attr<T, K, V>() != cudaSuccess) return 0;
   int nb = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_q_kernel<T, K, V, false>, kBwdThreads, BwdQSmem<K, V>::bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, bwd_q_kernel<T, K, V, false, false>, kBwdThreads,
+                                                BwdQSmem<K, V>::bytes);
   device_attr(cudaDevAttrMultiProcessorCount, &sms);
   return nb * sms;
 }

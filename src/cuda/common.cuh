@@ -53,14 +53,19 @@ __device__ __forceinline__ float2 pair_f(const __nv_bfloat16* x) {
 }
 // Two elements (columns d, d + 1; d even) of the query state of query row `pos` of batch row b, head hq: with
 // the transport from its fp16 copy at `qtl_row` (qtl: the transport's products take it as an fp16 operand
-// anyway); in plain attention (p.path false) q~ is q, read from q itself in its own type, so that no fp16
-// range limit applies (a bf16 entry above 65504 would overflow the fp16 copy).
-template <typename T>
+// anyway); in plain attention (kPlain: p.path false) q~ is q, read from q itself in its own type, so that no
+// fp16 range limit applies (a bf16 entry above 65504 would overflow the fp16 copy). A compile-time choice: the
+// kernels that read the state (fwd_scan, bwd_q) have a plain-attention instantiation, since a branch on p.path
+// at these loads cost fwd_scan a quarter of its time (dev/cuda/NOTES.md v3.54).
+template <typename T, bool kPlain>
 __device__ __forceinline__ float2 load_qstate(const KernelParams& p, const __half* qtl_row, int64_t b, int64_t pos,
                                               int hq, int d) {
-  if (p.path) return pair_f(qtl_row + d);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_s[0] + pos * p.q_s[1] + hq * p.q_s[2] + d;
-  return make_float2(to_f(q[0]), to_f(q[1]));
+  if constexpr (!kPlain) {
+    return pair_f(qtl_row + d);
+  } else {
+    const T* q = static_cast<const T*>(p.q) + b * p.q_s[0] + pos * p.q_s[1] + hq * p.q_s[2] + d;
+    return make_float2(to_f(q[0]), to_f(q[1]));
+  }
 }
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }

@@ -29,7 +29,7 @@ struct FwdSmem {
                                        size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
 };
 
-template <typename T, int K, int V, int NP>
+template <typename T, int K, int V, int NP, bool kPlain>
 __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     fwd_scan_kernel(KernelParams p, const int32_t* items) {
   using S = FwdSmem<T, K, V>;
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt) {
-      float2 v2 = r < nq ? load_qstate<T>(p, src, ch.b, ch.t0 + int64_t(qc) * kChunk + r, hq, 8 * nt + 2 * t4)
+      float2 v2 = r < nq ? load_qstate<T, kPlain>(p, src, ch.b, ch.t0 + int64_t(qc) * kChunk + r, hq, 8 * nt + 2 * t4)
                          : make_float2(0.f, 0.f);
       qt[nt][2 * hr] = v2.x;
       qt[nt][2 * hr + 1] = v2.y;
@@ -223,7 +223,10 @@ cudaError_t fwd_t(const KernelParams& p, const int32_t* pairs, int npairs, cudaS
   constexpr int NP = fwd_scan_chunks_per_cta(K);
   const int32_t* items = NP == 1 ? p.order : pairs;
   const int64_t n = NP == 1 ? p.nchunks : npairs;
-  return launch_with_smem(fwd_scan_kernel<T, K, V, NP>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
+  if (!p.path)  // plain attention: the query state from q itself (load_qstate)
+    return launch_with_smem(fwd_scan_kernel<T, K, V, NP, true>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
+                            FwdSmem<T, K, V>::bytes, s, p, items);
+  return launch_with_smem(fwd_scan_kernel<T, K, V, NP, false>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
                           FwdSmem<T, K, V>::bytes, s, p, items);
 }
 
