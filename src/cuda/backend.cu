@@ -498,14 +498,14 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   const size_t dvk_off = kfar && HQ != H ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
   const size_t scratch_off = l2.add(scratch_elems * sizeof(__half));
   const size_t sscr_off =
-      l2.at(dkt_on_dvdiag ? after_dvdiag : 0, size_t(sb_grid) * kp.sc * sb_rows * K * sizeof(float));
+      l2.at(dkt_on_dvdiag ? after_dvdiag : 0, size_t(sb_grid) * kp.sc * sb_rows * K * sizeof(__half));
   char *b1 = nullptr, *b2 = nullptr;
   PA_CU(ws.alloc(&b1, l1.bytes));
   PA_CU(ws.alloc(&b2, l2.bytes));
   if (kp.nsuper > 0) {
     kp.qhat = piece<__half>(b1, qhat_off);
     kp.ks = piece<__half>(b1, ks_off);
-    kp.sscr = piece<float>(b2, sscr_off);
+    kp.sscr = piece<__half>(b2, sscr_off);
   }
   kp.dkt = dkt_on_dvdiag ? piece<float>(b2, dvdiag_off) : piece<float>(b1, dkt_off);
   kp.dvdiag = piece<float>(b2, dvdiag_off);

@@ -28,7 +28,7 @@ int super_rows(int K, int items, bool whole, int sms);
 int super_bwd_rows(int K, int items, bool whole, int sms, int optin);
 // Backward of the superblock products: dPS and dks into the chunk products' dP, in blocks of `rows` rows of the
 // products (super_rows: all K in deterministic mode; smaller blocks add into dP with atomics). Persistent grid
-// of `grid` CTAs, each with a scratch of p.sc x rows x K floats (p.sscr).
+// of `grid` CTAs, each with a scratch of p.sc x rows x K halves (p.sscr, fp16).
 cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s);
 // Per (sequence, query head): G = inclusive cumsum of g.
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);

@@ -420,9 +420,11 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
 }
 
 // Backward of the superblock products, per (full superblock, kv head) and block of MR rows (super_rows; all
-// K rows in deterministic mode); persistent grid, per-CTA scratch of p.sc blocks of its rows of M
-// (fp32). With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and the far keys ks_c = k~_c M_c^T, the
-// gradients dPS (query side) and dks (key side) reach the chunk products as
+// K rows in deterministic mode); persistent grid, per-CTA scratch of p.sc blocks of its rows of M (fp16: M_c
+// is only the dP product's tf32 operand, and fp16 holds tf32's 11 significant bits for entries of 6.1e-5 ..
+// 65504; a product of factors of norm <= 1 has entries <= 1). With M_c = P_last ... P_{c+1} (M_last = I),
+// PS = M_0 P_0 and the far keys ks_c = k~_c M_c^T, the gradients dPS (query side) and dks (key side) reach the
+// chunk products as
 //   dP_c += M_c^T R_c,   R_0 = dPS,   R_{c+1} = R_c P_c^T + dks_c^T k~_c
 // (added to dP, which the query side filled for the pairs inside a superblock). The key-side chain already
 // carried the far gradient into dk~. Both chains are right products, so a block of rows of M and R runs on
@@ -440,8 +442,8 @@ struct SuperBwdSmem {
   static constexpr size_t set = 3 * 2 * size_t(kChunk) * LT;  // a chunk's k~, W and W2 tiles
   static constexpr size_t base = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM);
   static constexpr bool kPrefetch = kMode >= 1, kStageM = kMode == 2;
-  static constexpr int LMS = K + 8;  // Ms's pitch: a fragment's (row, k) reads fall in 32 banks
-  static constexpr size_t ms = kStageM ? sizeof(float) * size_t(MR) * LMS : 0;
+  static constexpr int LMS = K + 8;  // Ms's pitch (halves): a fragment's (row, k) reads fall in 16 words, 2 lanes each
+  static constexpr size_t ms = kStageM ? sizeof(__half) * size_t(MR) * LMS : 0;
   static constexpr size_t bytes = base + (kPrefetch ? 2 : 1) * set + ms;
 };
 
@@ -454,10 +456,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   float* Yf = Rf + MR * LM;
   float* dKs = Yf + MR * LY;      // [64][LM] dks of one chunk
   uint8_t* sets = reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
-  float* Ms = reinterpret_cast<float*>(sets + (S::kPrefetch ? 2 : 1) * S::set);  // [MR][LMS] M_c (kStageM)
+  __half* Ms = reinterpret_cast<__half*>(sets + (S::kPrefetch ? 2 : 1) * S::set);  // [MR][LMS] M_c (kStageM)
   auto kt_of = [&](int st) { return reinterpret_cast<T*>(sets + st * S::set); };
   auto w_of = [&](int st) { return reinterpret_cast<__half*>(kt_of(st) + kChunk * LT); };  // W2 follows W
-  float* Msc = p.sscr + size_t(blockIdx.x) * p.sc * MR * K;
+  __half* Msc = p.sscr + size_t(blockIdx.x) * p.sc * MR * K;
   const T* ktp = static_cast<const T*>(p.kt);
   const int tid = threadIdx.x;
   // An item's chunk tiles in the order they are used, load i: pass 1's chunks p.sc - 1 .. 1 (W, W2), then
@@ -484,9 +486,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       cp_async_commit();
     };
     auto issue_m = [&](int c) {  // prefetch: M_c's rows of this block from the scratch into Ms, committed
-      const float* src = Msc + size_t(c) * MR * K;
-      for (int idx = tid; idx < MR * K / 4; idx += blockDim.x) {
-        const int r = idx / (K / 4), col = 4 * (idx % (K / 4));
+      const __half* src = Msc + size_t(c) * MR * K;
+      for (int idx = tid; idx < MR * K / 8; idx += blockDim.x) {
+        const int r = idx / (K / 8), col = 8 * (idx % (K / 8));
         cp_async16(Ms + r * S::LMS + col, src + r * K + col, true);
       }
       cp_async_commit();
@@ -519,8 +521,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
     for (int c = p.sc - 1; c >= 0; --c) {
       __syncthreads();
-      float* Mc = Msc + size_t(c) * MR * K;
-      for (int idx = tid; idx < MR * K; idx += blockDim.x) Mc[idx] = Rf[(idx / K) * LM + idx % K];
+      __half* Mc = Msc + size_t(c) * MR * K;  // fp16: the dP product rounds it to tf32's 11 bits anyway
+      for (int idx = tid; idx < MR * K / 2; idx += blockDim.x) {
+        const int r = idx / (K / 2), col = 2 * (idx % (K / 2));
+        *reinterpret_cast<__half2*>(Mc + r * K + col) = __floats2half2_rn(Rf[r * LM + col], Rf[r * LM + col + 1]);
+      }
       if (c == 0) break;
       const int i = pass1 - c;
       if constexpr (S::kPrefetch) issue(i + 1);  // i + 1 <= pass1: pass 2's first load last
@@ -550,8 +555,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       }
       // The dP product's A operand, M_c^T: staged (kStageM) or from the scratch.
       auto mct = [&](int r, int k) {
-        if constexpr (S::kStageM) return Ms[k * S::LMS + r];
-        else return Msc[size_t(c) * MR * K + size_t(k) * K + r];
+        if constexpr (S::kStageM) return __half2float(Ms[k * S::LMS + r]);
+        else return __half2float(Msc[size_t(c) * MR * K + size_t(k) * K + r]);
       };
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
       if constexpr (NB == 1) {
