@@ -223,11 +223,9 @@ cudaError_t fwd_t(const KernelParams& p, const int32_t* pairs, int npairs, cudaS
   constexpr int NP = fwd_scan_chunks_per_cta(K);
   const int32_t* items = NP == 1 ? p.order : pairs;
   const int64_t n = NP == 1 ? p.nchunks : npairs;
-  if (!p.path)  // plain attention: the query state from q itself (load_qstate)
-    return launch_with_smem(fwd_scan_kernel<T, K, V, NP, true>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
-                            FwdSmem<T, K, V>::bytes, s, p, items);
-  return launch_with_smem(fwd_scan_kernel<T, K, V, NP, false>, dim3(unsigned(n * p.HQ)), kFwdThreads * NP,
-                          FwdSmem<T, K, V>::bytes, s, p, items);
+  // Plain attention: the instantiation that takes the query state from q itself (load_qstate).
+  const auto kern = p.path ? fwd_scan_kernel<T, K, V, NP, false> : fwd_scan_kernel<T, K, V, NP, true>;
+  return launch_with_smem(kern, dim3(unsigned(n * p.HQ)), kFwdThreads * NP, FwdSmem<T, K, V>::bytes, s, p, items);
 }
 
 template <typename T>
