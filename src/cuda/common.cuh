@@ -261,6 +261,14 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[b][c] = 0.f;
 }
+// acc += x, elementwise (C layout tiles).
+template <int NT>
+__device__ __forceinline__ void add_acc(float (&acc)[NT][4], const float (&x)[NT][4]) {
+#pragma unroll
+  for (int b = 0; b < NT; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[b][c] += x[b][c];
+}
 
 // tf32 warp tile with A from registers: a warp's 16 x (8 KT) fp32 tile `src` (C layout, KT n-tiles) times B
 // (fp16 or bf16 in shared memory, exact in tf32; TB as in warp_mma_ss), accumulated into acc. The C layout gives

@@ -317,7 +317,10 @@ struct SuperSmem {
 
 // kSplit = 2 (few items): a pair of warps shares each 16-row block, each holding half of M's columns; their
 // partial products (ks_c and y, sums over the columns) are exchanged through shared memory at a pair barrier,
-// which halves a warp's products on the serial chain.
+// which halves a warp's products on the serial chain. Without the split a warp sums the same two halves the
+// same way (each half's products in one accumulation, then first half + second half), so that ks and PS have
+// the same bits whichever the row block: a call's slices (fewer items, so smaller blocks) give the whole
+// call's results.
 template <typename T, int K, int RB, int kSplit>
 __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParams p) {
   constexpr int kWarps = RB / 16 * kSplit, kThreads = 32 * kWarps, KH = K / kSplit;  // KH: M's columns a warp holds
@@ -395,9 +398,24 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     float ks[kChunk / 8][4], y[kChunk / 8][4];
     zero_acc(ks);
     zero_acc(y);
-    warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
-    warp_mma_rs<__half, KH / 16, kChunk / 8, false>(y, M, 1.f, Ws + c0k, LT, 0);
-    if constexpr (kSplit == 2) exchange(ks, y);
+    if constexpr (kSplit == 2) {
+      warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
+      warp_mma_rs<__half, KH / 16, kChunk / 8, false>(y, M, 1.f, Ws + c0k, LT, 0);
+      exchange(ks, y);
+    } else {  // the split's arithmetic: the column halves apart, then their sum
+      using Half = const float(&)[K / 16][4];
+      Half lo = *reinterpret_cast<const float(*)[K / 16][4]>(&M[0][0]);
+      Half hi = *reinterpret_cast<const float(*)[K / 16][4]>(&M[K / 16][0]);
+      float part[kChunk / 8][4];
+      warp_mma_rr_tf32<K / 16, kChunk / 8, false>(ks, lo, Kt, LT, 0);
+      zero_acc(part);
+      warp_mma_rr_tf32<K / 16, kChunk / 8, false>(part, hi, Kt + K / 2, LT, 0);
+      add_acc(ks, part);
+      warp_mma_rs<__half, K / 32, kChunk / 8, false>(y, lo, 1.f, Ws, LT, 0);
+      zero_acc(part);
+      warp_mma_rs<__half, K / 32, kChunk / 8, false>(part, hi, 1.f, Ws + K / 2, LT, 0);
+      add_acc(y, part);
+    }
 #pragma unroll
     for (int nt = 0; nt < kChunk / 8; ++nt) {
       if (kSplit == 1 || nt / (kChunk / 16) == hf) {  // with the split, each warp of a pair stores half the keys

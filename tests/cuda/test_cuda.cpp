@@ -468,9 +468,12 @@ TEST(CudaBackend, RepeatableBitwise) {
 // superblocks crossed, and varlen (head slices only).
 TEST(CudaBackend, WorkspaceLimitSlicesBitwise) {
   REQUIRE_GPU();
-  for (bool varlen : {false, true}) {
-    CaseSpec s = mk(1200, 6, 3, 64, 64, true, BetaMode::uniform02, DType::bf16, varlen ? 72 : 71);
-    s.B = 3;
+  // Cases: batched; varlen; batched with enough superblock items (8 rows x 2 x 9 kv heads = 144) that the whole
+  // call's super_prep takes unsplit row blocks where its slices (2 items each) split them (super_rows).
+  for (int cs = 0; cs < 3; ++cs) {
+    const bool varlen = cs == 1;
+    CaseSpec s = mk(1200, cs == 2 ? 9 : 6, cs == 2 ? 9 : 3, 64, 64, true, BetaMode::uniform02, DType::bf16, 71 + cs);
+    s.B = cs == 2 ? 8 : 3;
     if (varlen) s.seqlens = {0, 500, 700};  // B = 1: an empty sequence, then two
     Case c = Case::make(s);
     HostTensor dout = random_dout(c, 73);
@@ -481,7 +484,8 @@ TEST(CudaBackend, WorkspaceLimitSlicesBitwise) {
     for (int64_t limit : {int64_t(1), int64_t(24) << 20}) {
       GpuRun r = run_gpu(gc, true, true, limit);
       ASSERT_TRUE(r.fs.ok() && r.bs.ok()) << r.fs.message() << r.bs.message();
-      const std::string what = std::string(varlen ? "varlen" : "batched") + ", limit " + std::to_string(limit);
+      const std::string what = std::string(varlen ? "varlen" : "batched") + (cs == 2 ? " (8 rows)" : "") +
+                               ", limit " + std::to_string(limit);
       EXPECT_TRUE(same_bits(r.o, full.o) && same_bits(r.lse, full.lse)) << "forward differs, " << what;
       EXPECT_TRUE(same_bits(r.dq, full.dq) && same_bits(r.dk, full.dk) && same_bits(r.dv, full.dv))
           << "dq / dk / dv differ, " << what;
