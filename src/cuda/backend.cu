@@ -329,7 +329,9 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
 }
 
 // One backward over the whole of p / pr, as fwd_run.
-Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
+// msv_early: super_bwd's M_c (msv) written by the first super_prep launch and kept until super_bwd; else by a
+// second launch after bwd_k, over piece 2's buffers that are dead by then.
+Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, bool msv_early) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   KernelParams kp{};
@@ -379,7 +381,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
   PA_TRY(alloc_super(ws, kp, t, pr));  // ks: in the shared piece below
-  // Superblock-backward grid: one CTA per SM, each with a scratch of sc x sb_rows x K floats.
+  // Superblock-backward grid: one CTA per SM, each taking blocks of sb_rows rows of an item.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
     int sms = 0, optin = 0;
@@ -389,6 +391,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
     PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
+    if (msv_early) PA_CU(ws.alloc(&kp.msv, size_t(kp.nsuper) * H * kp.sc * K * K));  // super_prep -> super_bwd
     PA_CU(ws.zero(kp.dks, NT * H * K * sizeof(float)));
     PA_CU(ws.zero(kp.dps, size_t(kp.nsuper) * H * K * K * sizeof(float)));
   }
@@ -483,7 +486,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   // .. bwd_chunk): over qhat and ks (super_prep / bwd_q .. bwd_k_far) where bwd_k_far ran; else (bwd_k reads
   // qhat), with MHA and K = V, over dvdiag, whose layout it has (bwd_k reads a thread's dvdiag elements before it
   // writes the same dkt elements). Piece 2: dvdiag, dvk and the persistent grids' scratch (bwd_q .. bwd_k), then
-  // super_bwd's scratch over all of them but a dvdiag that holds dkt.
+  // (msv_early false) msv over all of them but a dvdiag that holds dkt (bwd_k .. super_bwd).
   const bool dkt_on_dvdiag = !kfar && HQ == H && K == V;
   Layout l1, l2;
   size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
@@ -497,15 +500,16 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   const size_t dvdiag_off = l2.add(NT * HQ * V * sizeof(float)), after_dvdiag = l2.bytes;
   const size_t dvk_off = kfar && HQ != H ? l2.add(NT * H * V * sizeof(float)) : dvdiag_off;
   const size_t scratch_off = l2.add(scratch_elems * sizeof(__half));
-  const size_t sscr_off =
-      l2.at(dkt_on_dvdiag ? after_dvdiag : 0, size_t(sb_grid) * kp.sc * sb_rows * K * sizeof(__half));
+  const size_t msv_off = msv_early || kp.nsuper == 0
+                             ? 0
+                             : l2.at(dkt_on_dvdiag ? after_dvdiag : 0,
+                                     size_t(kp.nsuper) * H * kp.sc * K * K * sizeof(__half));
   char *b1 = nullptr, *b2 = nullptr;
   PA_CU(ws.alloc(&b1, l1.bytes));
   PA_CU(ws.alloc(&b2, l2.bytes));
   if (kp.nsuper > 0) {
     kp.qhat = piece<__half>(b1, qhat_off);
     kp.ks = piece<__half>(b1, ks_off);
-    kp.sscr = piece<__half>(b2, sscr_off);
   }
   kp.dkt = dkt_on_dvdiag ? piece<float>(b2, dvdiag_off) : piece<float>(b1, dkt_off);
   kp.dvdiag = piece<float>(b2, dvdiag_off);
@@ -553,6 +557,11 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws) {
   }
   PA_CU(launch_bwd_k(kp, dt, gk, counters + 4, s));
   prof.mark("bwd_k");
+  if (!msv_early && kp.nsuper > 0) {  // M_c only, into the memory bwd_q .. bwd_k are done with
+    kp.msv = piece<__half>(b2, msv_off);
+    PA_CU(launch_super_prep(kp, dt, s, false));
+    prof.mark("super_prep(msv)");
+  }
   PA_CU(launch_super_bwd(kp, dt, sb_rows, sb_grid, s));
   prof.mark("super_bwd");
   PA_CU(launch_bwd_chunk(kp, dt, s));
@@ -634,18 +643,22 @@ class SideStream {
   cudaEvent_t ev_ = nullptr;
 };
 
-// Runs `run` (fwd_run / bwd_run) over the slices the limit asks for. A call that needs slicing runs its
-// slices, where it can, on two streams, the caller's and a second one, alternately, each slice within half
-// the limit: small slices leave most of the GPU idle in their superblock kernels and scan tails, and the
-// other stream's slice fills it. Each stream's slices share one block of the largest slice's size
-// (allocated once: slices freeing and allocating through the pool on two streams would make the pool order
-// them).
 constexpr int kMaxLanes = 2;  // streams a sliced call may use (the lane array below holds two)
 
+// The slices a call runs in: `whole` (one, of the whole call: no limit, or it fits) or `lanes`.
+struct CallPlan {
+  bool whole = true;
+  core::LanePlan lanes;
+  int64_t limit = -1, whole_bytes = 0;
+  // The plan keeps to the limit (a call whose smallest slice exceeds it runs over it).
+  bool fits() const { return whole || lanes.block * lanes.lanes <= limit; }
+};
+
 template <class P, class Run>
-Status run_sliced(const P& p, const core::Problem& pr, Run run) {
+Status plan_call(const P& p, const core::Problem& pr, Run run, CallPlan* out) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int64_t limit = p.workspace_limit < 0 ? -1 : workspace_limit(p.workspace_limit, p.q, p.k, p.v);
+  out->limit = limit;
   // A slice's workspace depends on its counts of batch rows and kv heads only (every batch row has the same
   // length; cu_seqlens calls slice heads only): measured once per shape, since the plans below ask often.
   Status err = Status::Ok();
@@ -662,11 +675,11 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
     memo.push_back({sl.nb, sl.nh, int64_t(m.bytes())});
     return memo.back().bytes;
   };
-  if (limit < 0 || cost(Slice{0, pr.B, 0, pr.H}) <= limit) {
-    PA_TRY(err);
-    Workspace ws(s);
-    return run(p, pr, ws);
-  }
+  if (limit < 0) return Status::Ok();
+  out->whole_bytes = cost(Slice{0, pr.B, 0, pr.H});
+  PA_TRY(err);
+  if (out->whole_bytes <= limit) return Status::Ok();
+  out->whole = false;
   // Streams by core::plan_lanes with at most kMaxLanes = 2: two when the call needs several slices and the
   // slices for half the limit number at least two and at most four times one stream's; else one. Measured
   // (forward + backward, ms, with bwd_run's workspace sharing): two streams for single-head slices only ->
@@ -686,18 +699,31 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
     if (p.deterministic && longer_than_four_superblocks(pr)) max_lanes = 1;
   }
   const bool batch_ok = !p.cu_seqlens.present();
-  core::LanePlan plan = core::plan_lanes(pr, batch_ok, limit, max_lanes, cost);
-  const std::vector<Slice>& slices = plan.slices;
-  const int lanes = plan.lanes;
-  const size_t block = size_t(plan.block);
-  PA_TRY(err);
+  out->lanes = core::plan_lanes(pr, batch_ok, limit, max_lanes, cost);
+  return err;
+}
+
+// Runs `run` (fwd_run / bwd_run) as `cp` says: its slices, where it has several, on two streams, the caller's
+// and a second one, alternately, each slice within half the limit: small slices leave most of the GPU idle in
+// their superblock kernels and scan tails, and the other stream's slice fills it. Each stream's slices share
+// one block of the largest slice's size (allocated once: slices freeing and allocating through the pool on two
+// streams would make the pool order them).
+template <class P, class Run>
+Status run_planned(const P& p, const core::Problem& pr, Run run, const CallPlan& cp) {
+  cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+  if (cp.whole) {
+    Workspace ws(s);
+    return run(p, pr, ws);
+  }
+  const std::vector<Slice>& slices = cp.lanes.slices;
+  const int lanes = cp.lanes.lanes;
+  const size_t block = size_t(cp.lanes.block);
   if (std::getenv("PATHATTN_CUDA_PROFILE") != nullptr)
     std::fprintf(stderr,
                  "[slices] %zu of %lld rows x %lld kv heads, %d stream(s), block %.1f MiB (limit %.1f, one slice "
                  "%.1f)\n",
                  slices.size(), static_cast<long long>(slices[0].nb), static_cast<long long>(slices[0].nh), lanes,
-                 double(block) / (1 << 20), double(limit) / (1 << 20),
-                 double(cost(Slice{0, pr.B, 0, pr.H})) / (1 << 20));
+                 double(block) / (1 << 20), double(cp.limit) / (1 << 20), double(cp.whole_bytes) / (1 << 20));
   SideStream side(s);
   if (lanes > 1) PA_TRY(side.open());
   const cudaStream_t lane[2] = {s, lanes > 1 ? side.get() : s};
@@ -712,6 +738,15 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run) {
     PA_TRY(run(sp, sub_problem(pr, slices[i]), ws));
   }
   return Status::Ok();
+}
+
+
+// Runs `run` (fwd_run / bwd_run) over the slices the limit asks for.
+template <class P, class Run>
+Status run_sliced(const P& p, const core::Problem& pr, Run run) {
+  CallPlan cp;
+  PA_TRY(plan_call(p, pr, run, &cp));
+  return run_planned(p, pr, run, cp);
 }
 
 }  // namespace
@@ -735,7 +770,29 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   PA_TRY(check_smem(smem_bwd_chunk(int(pr.K)), "backward (chunk)"));
   PA_TRY(check_smem(smem_super_prep(int(pr.K)), "superblock"));
   PA_TRY(check_smem(smem_super_bwd(int(pr.K)), "superblock backward"));
-  return run_sliced(p, pr, bwd_run);
+  // super_bwd's M_c (msv: nsuper x H x sc x K x K halves, 1.75x the bytes of ks at K = 128) from the first
+  // super_prep launch where the call fits whole with them kept from there, or its plan with them splits batch
+  // rows no further than with a second launch after bwd_k (and keeps to the limit); else from that second
+  // launch. Both are the same steps of M: the results do not depend on the choice. Measured with a fallback
+  // that ran the chain in super_bwd instead (f+b ms at the default limit, dev/cuda/NOTES.md v3.54): K = 128
+  // T = 4k 18.36 -> 17.73, K = 64 T = 4k 18.08 -> 17.99 (backward slices 11 of 3 heads -> 16 of 2), K = 128
+  // T = 16k 34.40 -> 35.49 with M_c from the first launch (slices of 2 batch rows -> 1).
+  const auto early = [](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
+    return bwd_run(sp, spr, ws, true);
+  };
+  const auto late = [](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
+    return bwd_run(sp, spr, ws, false);
+  };
+  // PATHATTN_CUDA_SUPER_MSV=1 / 0 forces the first / the second launch (kernel work and tests).
+  const char* msv_env = std::getenv("PATHATTN_CUDA_SUPER_MSV");
+  if (msv_env != nullptr && (std::strcmp(msv_env, "0") == 0 || std::strcmp(msv_env, "1") == 0))
+    return msv_env[0] == '1' ? run_sliced(p, pr, early) : run_sliced(p, pr, late);
+  CallPlan a, b;
+  PA_TRY(plan_call(p, pr, early, &a));
+  if (a.whole) return run_planned(p, pr, early, a);
+  PA_TRY(plan_call(p, pr, late, &b));
+  if (!b.whole && a.fits() && a.lanes.slices[0].nb >= b.lanes.slices[0].nb) return run_planned(p, pr, early, a);
+  return run_planned(p, pr, late, b);
 }
 
 }  // namespace pathattn::cuda

@@ -110,7 +110,8 @@ struct KernelParams {
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
   float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
   float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
-  __half* sscr;     // [grid, sc, rows, K] per-CTA scratch of super_bwd (rows = super_rows), M_c in fp16
+  __half* msv;      // [nsuper, H, sc, K, K] the running products M_c = P_last ... P_{c+1} of each full
+                    // superblock, fp16: super_prep writes them in the backward (else null), super_bwd reads them
   bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
   int qfar;         // the query side split around bwd_q_far: 0 no split; 1 bwd_q writes qhat only; 2 bwd_q runs
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)

@@ -18,8 +18,9 @@ inline cudaError_t device_attr(cudaDeviceAttr a, int* v) {
 // dtype code of q/k/v: 0 = fp16, 1 = bf16.
 // Per (chunk, kv head): UT transform in fp32; writes w16, w2h, kt and per query head qtl, aloc.
 cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s);
-// Per (full superblock, kv head): keys moved to the superblock's end (ks) and the superblock product (ps).
-cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s);
+// Per (full superblock, kv head): keys moved to the superblock's end (ks) and the superblock product (ps); where
+// p.msv is set, also the running products M_c; with `ks` false those only.
+cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s, bool ks = true);
 // Rows of the K x K superblock products per CTA for `items` (superblock, kv head) items: K when `whole`, else
 // halved (down to 32) while the items' row blocks leave some of the device's `sms` SMs idle.
 int super_rows(int K, int items, bool whole, int sms);
@@ -28,7 +29,7 @@ int super_rows(int K, int items, bool whole, int sms);
 int super_bwd_rows(int K, int items, bool whole, int sms, int optin);
 // Backward of the superblock products: dPS and dks into the chunk products' dP, in blocks of `rows` rows of the
 // products (super_rows: all K in deterministic mode; smaller blocks add into dP with atomics). Persistent grid
-// of `grid` CTAs, each with a scratch of p.sc x rows x K halves (p.sscr, fp16).
+// of `grid` CTAs; the running products M_c from super_prep (p.msv).
 cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int grid, cudaStream_t s);
 // Per (sequence, query head): G = inclusive cumsum of g.
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s);

@@ -275,21 +275,6 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set);
 }
 
-// M <- M P_c = M - (M W_c^T) W2_c for an MR x K block of rows of a fp32 matrix M in shared memory (leading
-// dim LM), through the MR x 64 buffer Y (leading dim LY), with the chunk's fp16 W and W2 tiles (leading dim
-// LT). A right product keeps rows apart, so a block of M's rows evolves on its own. Ends after the products'
-// last write to M: callers sync before reading M.
-template <int MR, int K, int LM, int LY, int LT, bool kUW = true>
-__device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, const __half* Ws, const __half* W2s) {
-  block_mm_tc<MR, kChunk, K, false, 4, kUW>([&](int r, int k) { return Mf[r * LM + k]; },
-                                            [&](int k, int n) { return __half2float(Ws[n * LT + k]); },
-                                            [&](int r, int n, float v) { Yf[r * LY + n] = v; });
-  __syncthreads();
-  block_mm_tc<MR, K, kChunk, false, 4, kUW>([&](int r, int k) { return Yf[r * LY + k]; },
-                                            [&](int k, int n) { return __half2float(W2s[k * LT + n]); },
-                                            [&](int r, int n, float v) { Mf[r * LM + n] -= v; });
-}
-
 // Per (full superblock, kv head, block of RB rows of M): walks the superblock's chunks from the last
 // down with the running product M = P_last ... P_{c+1}: ks_c = k~_c M^T, then M <- M P_c = M - (M W_c^T) W2_c
 // with the fp16 W, W2 of the chunk (the same operands the scans transport with, fp32 accumulation). Rows of M
@@ -302,7 +287,10 @@ __device__ __forceinline__ void right_mul_chunk_product(float* Mf, float* Yf, co
 // An item may run as K / RB CTAs of RB / 16 warps (super_rows): the chain is serial (8 chunk steps an item),
 // and a call with few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle,
 // while with items enough to fill the device the split only repeats the tile loads. At the end
-// M = P_last ... P_first is stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]).
+// M = P_last ... P_first is stored in fp16 (entries bounded by 1 for unit w and beta in [0, 2]); in the backward
+// (p.msv set) also each step's M, which super_bwd's dP products take. kKs false: the backward's second launch,
+// where msv had no room beside the buffers live from here to super_bwd (backend.cu, bwd): the same steps of M
+// (the same instructions for M, so the same bits) without ks, ps or k~'s tiles, storing M only.
 constexpr int kSuperRows = 32;  // the smallest row block
 
 // Two sets of a chunk's k~, W and W2 tiles ([64][K + 8] 16-bit each); with the column split, each warp's
@@ -321,7 +309,7 @@ struct SuperSmem {
 // same way (each half's products in one accumulation, then first half + second half), so that ks and PS have
 // the same bits whichever the row block: a call's slices (fewer items, so smaller blocks) give the whole
 // call's results.
-template <typename T, int K, int RB, int kSplit>
+template <typename T, int K, int RB, int kSplit, bool kKs>
 __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParams p) {
   constexpr int kWarps = RB / 16 * kSplit, kThreads = 32 * kWarps, KH = K / kSplit;  // KH: M's columns a warp holds
   using S = SuperSmem<K, kSplit == 2 ? kWarps : 0>;
@@ -345,7 +333,7 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     constexpr int kPerRow = K / 8, kPerTile = kChunk * kPerRow;
     const int64_t row = ((tok0 + int64_t(c) * kChunk) * p.H + h) * K, stride = int64_t(p.H) * K;
     uint8_t* base = sets + set * S::tiles;
-    for (int i = tid; i < 3 * kPerTile; i += kThreads) {
+    for (int i = kKs ? tid : kPerTile + tid; i < 3 * kPerTile; i += kThreads) {
       const int tile = i / kPerTile, r = (i % kPerTile) / kPerRow, c8 = 8 * (i % kPerRow);
       const void* src = tile == 0 ? static_cast<const void*>(ktp + row + r * stride + c8)
                                   : static_cast<const void*>((tile == 1 ? p.w16 : p.w2h) + row + r * stride + c8);
@@ -385,6 +373,15 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     const T* Kt = reinterpret_cast<const T*>(sets + set * S::tiles);
     const __half* Ws = reinterpret_cast<const __half*>(Kt + kChunk * LT);
     const __half* W2s = Ws + kChunk * LT;
+    if (p.msv != nullptr) {  // the backward: M_c (this step's M) for super_bwd, fp16 as M's operand here
+      __half* mo = p.msv + ((int64_t(sbi) * p.H + h) * p.sc + c) * K * K;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int nt = 0; nt < KH / 8; ++nt)
+          *reinterpret_cast<uint32_t*>(mo + int64_t(row0 + 8 * hr) * K + c0k + 8 * nt + 2 * t4) =
+              Pack2<__half>::pack(M[nt][2 * hr], M[nt][2 * hr + 1]);
+    }
     __syncthreads();  // every warp is done with the other set (the previous chunk's products) and the slots
     if (c > 0) {
       issue(c - 1, set ^ 1);
@@ -399,7 +396,7 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     zero_acc(ks);
     zero_acc(y);
     if constexpr (kSplit == 2) {
-      warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
+      if constexpr (kKs) warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
       warp_mma_rs<__half, KH / 16, kChunk / 8, false>(y, M, 1.f, Ws + c0k, LT, 0);
       exchange(ks, y);
     } else {  // the split's arithmetic: the column halves apart, then their sum
@@ -407,10 +404,12 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
       Half lo = *reinterpret_cast<const float(*)[K / 16][4]>(&M[0][0]);
       Half hi = *reinterpret_cast<const float(*)[K / 16][4]>(&M[K / 16][0]);
       float part[kChunk / 8][4];
-      warp_mma_rr_tf32<K / 16, kChunk / 8, false>(ks, lo, Kt, LT, 0);
-      zero_acc(part);
-      warp_mma_rr_tf32<K / 16, kChunk / 8, false>(part, hi, Kt + K / 2, LT, 0);
-      add_acc(ks, part);
+      if constexpr (kKs) {
+        warp_mma_rr_tf32<K / 16, kChunk / 8, false>(ks, lo, Kt, LT, 0);
+        zero_acc(part);
+        warp_mma_rr_tf32<K / 16, kChunk / 8, false>(part, hi, Kt + K / 2, LT, 0);
+        add_acc(ks, part);
+      }
       warp_mma_rs<__half, K / 32, kChunk / 8, false>(y, lo, 1.f, Ws, LT, 0);
       zero_acc(part);
       warp_mma_rs<__half, K / 32, kChunk / 8, false>(part, hi, 1.f, Ws + K / 2, LT, 0);
@@ -418,7 +417,8 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     }
 #pragma unroll
     for (int nt = 0; nt < kChunk / 8; ++nt) {
-      if (kSplit == 1 || nt / (kChunk / 16) == hf) {  // with the split, each warp of a pair stores half the keys
+      // With the split, each warp of a pair stores half the keys.
+      if (kKs && (kSplit == 1 || nt / (kChunk / 16) == hf)) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = 8 * nt + 2 * t4 + (e & 1), j = row0 + 8 * (e >> 1);
@@ -428,6 +428,7 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     }
     warp_mma_rs<__half, kChunk / 16, KH / 8, true>(M, y, -1.f, W2s + c0k, LT, 0);
   }
+  if constexpr (!kKs) return;
   __half* out = p.ps + (int64_t(sbi) * p.H + h) * K * K;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr)
@@ -438,19 +439,19 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
 }
 
 // Backward of the superblock products, per (full superblock, kv head) and block of MR rows (super_rows; all
-// K rows in deterministic mode); persistent grid, per-CTA scratch of p.sc blocks of its rows of M (fp16: M_c
-// is only the dP product's tf32 operand, and fp16 holds tf32's 11 significant bits for entries of 6.1e-5 ..
-// 65504; a product of factors of norm <= 1 has entries <= 1). With M_c = P_last ... P_{c+1} (M_last = I),
-// PS = M_0 P_0 and the far keys ks_c = k~_c M_c^T, the gradients dPS (query side) and dks (key side) reach the
-// chunk products as
+// K rows in deterministic mode); persistent grid. With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and
+// the far keys ks_c = k~_c M_c^T, the gradients dPS (query side) and dks (key side) reach the chunk products as
 //   dP_c += M_c^T R_c,   R_0 = dPS,   R_{c+1} = R_c P_c^T + dks_c^T k~_c
 // (added to dP, which the query side filled for the pairs inside a superblock). The key-side chain already
 // carried the far gradient into dk~. Both chains are right products, so a block of rows of M and R runs on
 // its own; dP_c is then the sum over the blocks of M_c[J, :]^T R_c[J, :], added with fp32 atomics. With
-// MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation.
+// MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation. The M_c are
+// the ones super_prep stepped through for ks (p.msv, fp16, which holds the tf32 operand's 11 significant bits
+// for entries of 6.1e-5 .. 65504; a product of factors of norm <= 1 has entries <= 1): so the dP product reads
+// them instead of running the chain again (dev/cuda/NOTES.md v3.54).
 // kMode >= 1: two sets of a chunk's tiles, the next chunk's loading by cp.async while this chunk's products run
 // (where the device's shared memory holds them: not at MR = K = 128 on Hopper), else one, staged when needed.
-// kMode == 2 (where that fits too): also pass 2's M_c staged from the scratch (Ms, by cp.async during the step
+// kMode == 2 (where that fits too): also M_c staged from p.msv (Ms, by cp.async during the step
 // before), so that the dP product reads its A operand from shared memory rather than from L2 inside its k loop.
 // Its products take the plain warp index (kUW false, as bwd_chunk's): the shuffled one saved registers here but
 // ran 1 .. 2% slower (dev/cuda/NOTES.md v3.47).
@@ -460,7 +461,7 @@ struct SuperBwdSmem {
   static constexpr size_t set = 3 * 2 * size_t(kChunk) * LT;  // a chunk's k~, W and W2 tiles
   static constexpr size_t base = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM);
   static constexpr bool kPrefetch = kMode >= 1, kStageM = kMode == 2;
-  static constexpr int LMS = K + 8;  // Ms's pitch (halves): a fragment's (row, k) reads fall in 16 words, 2 lanes each
+  static constexpr int LMS = K + 8;  // Ms's pitch (halves): a fragment's (row, k) reads fall in 16 words
   static constexpr size_t ms = kStageM ? sizeof(__half) * size_t(MR) * LMS : 0;
   static constexpr size_t bytes = base + (kPrefetch ? 2 : 1) * set + ms;
 };
@@ -470,20 +471,18 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   using S = SuperBwdSmem<K, MR, kMode>;
   constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / MR;
   extern __shared__ float sm[];
-  float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of M (pass 1), then of R (pass 2)
+  float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of R
   float* Yf = Rf + MR * LM;
   float* dKs = Yf + MR * LY;      // [64][LM] dks of one chunk
   uint8_t* sets = reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
   __half* Ms = reinterpret_cast<__half*>(sets + (S::kPrefetch ? 2 : 1) * S::set);  // [MR][LMS] M_c (kStageM)
   auto kt_of = [&](int st) { return reinterpret_cast<T*>(sets + st * S::set); };
   auto w_of = [&](int st) { return reinterpret_cast<__half*>(kt_of(st) + kChunk * LT); };  // W2 follows W
-  __half* Msc = p.sscr + size_t(blockIdx.x) * p.sc * MR * K;
   const T* ktp = static_cast<const T*>(p.kt);
   const int tid = threadIdx.x;
-  // An item's chunk tiles in the order they are used, load i: pass 1's chunks p.sc - 1 .. 1 (W, W2), then
-  // pass 2's 0 .. p.sc - 2 (W, W2, k~); load i in set i & 1 with the prefetch, else in set 0.
-  const int pass1 = p.sc - 1, loads = 2 * pass1;
-  auto chunk_of = [pass1](int i) { return i < pass1 ? pass1 - i : i - pass1; };
+  // An item's chunk tiles in the order they are used, load i = chunk i (W, W2, k~) for i = 0 .. p.sc - 2; load i
+  // in set i & 1 with the prefetch, else in set 0.
+  const int loads = p.sc - 1;
   auto set_of = [](int i) { return S::kPrefetch ? (i & 1) : 0; };
   static_assert(kPrepThreads >= 3 * kTileThreads, "super_bwd: one thread group per tile");
 
@@ -493,18 +492,19 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
     const int c0 = p.super_first[sbi];
     const ChunkDesc ch = p.chunks[c0];
     const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk, stride = int64_t(p.H) * K;
+    const __half* Mit = p.msv + (int64_t(sbi) * p.H + h) * p.sc * K * K + int64_t(j0) * K;  // rows j0.. of M_c
     auto row_of = [&](int c) { return ((tok0 + int64_t(c) * kChunk) * p.H + h) * K; };
     auto issue = [&](int i) {  // prefetch: load i by cp.async, one thread group a tile, committed
-      const int64_t row = row_of(chunk_of(i));
+      const int64_t row = row_of(i);
       __half* w = w_of(set_of(i));
       const int grp = tid / kTileThreads, gt = tid % kTileThreads;
       if (grp == 0) load_tile_async<K>(w, p.w16 + row, stride, kChunk, gt);
       else if (grp == 1) load_tile_async<K>(w + kChunk * LT, p.w2h + row, stride, kChunk, gt);
-      else if (grp == 2 && i >= pass1) load_tile_async<K>(kt_of(set_of(i)), ktp + row, stride, kChunk, gt);
+      else if (grp == 2) load_tile_async<K>(kt_of(set_of(i)), ktp + row, stride, kChunk, gt);
       cp_async_commit();
     };
-    auto issue_m = [&](int c) {  // prefetch: M_c's rows of this block from the scratch into Ms, committed
-      const __half* src = Msc + size_t(c) * MR * K;
+    auto issue_m = [&](int c) {  // prefetch: M_c's rows of this block (from super_prep) into Ms, committed
+      const __half* src = Mit + size_t(c) * K * K;
       for (int idx = tid; idx < MR * K / 8; idx += blockDim.x) {
         const int r = idx / (K / 8), col = 8 * (idx % (K / 8));
         cp_async16(Ms + r * S::LMS + col, src + r * K + col, true);
@@ -519,46 +519,30 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       }
       cp_async_commit();
     };
-    // Load i's tiles (and, in pass 2, dks) in place for this thread; callers sync before reading them. With the
-    // prefetch the copies were issued a step earlier, and the next load is in flight.
+    // Load i's tiles (and dks) in place for this thread; callers sync before reading them. With the prefetch the
+    // copies were issued a step earlier, and the next load is in flight.
     auto wait_load = [&](int i) {
       if constexpr (S::kPrefetch) {
         if (i + 1 < loads) cp_async_wait_group<1>();
         else cp_async_wait_all();
       } else {
-        const int64_t t0 = tok0 + int64_t(chunk_of(i)) * kChunk;
+        const int64_t t0 = tok0 + int64_t(i) * kChunk;
         stage_tiles4<K>(ws_src<K>(p.w16, p.H), 0, h, w_of(0), LT, ws_src<K>(p.w2h, p.H), 0, h, w_of(0) + kChunk * LT,
                         LT, t0, kChunk);
-        if (i >= pass1)
-          stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, kt_of(0), LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM, t0, kChunk);
+        stage_tiles4<K>(ws_src<K>(ktp, p.H), 0, h, kt_of(0), LT, ws_src<K>(p.dks, p.H), 0, h, dKs, LM, t0, kChunk);
       }
     };
-    // ---- pass 1: M_last = I, M_{c-1} = M_c - (M_c W_c^T) W2_c, each stored to the scratch.
-    __syncthreads();
-    if constexpr (S::kPrefetch) issue(0);
-    for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = j0 + idx / K == idx % K ? 1.f : 0.f;
-    for (int c = p.sc - 1; c >= 0; --c) {
-      __syncthreads();
-      __half* Mc = Msc + size_t(c) * MR * K;  // fp16: the dP product rounds it to tf32's 11 bits anyway
-      for (int idx = tid; idx < MR * K / 2; idx += blockDim.x) {
-        const int r = idx / (K / 2), col = 2 * (idx % (K / 2));
-        *reinterpret_cast<__half2*>(Mc + r * K + col) = __floats2half2_rn(Rf[r * LM + col], Rf[r * LM + col + 1]);
-      }
-      if (c == 0) break;
-      const int i = pass1 - c;
-      if constexpr (S::kPrefetch) issue(i + 1);  // i + 1 <= pass1: pass 2's first load last
-      wait_load(i);
-      __syncthreads();
-      right_mul_chunk_product<MR, K, LM, LY, LT, false>(Rf, Yf, w_of(set_of(i)), w_of(set_of(i)) + kChunk * LT);
+    // ---- R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
+    __syncthreads();  // the previous item is done with the shared tiles
+    if constexpr (S::kPrefetch) {
+      if (loads > 0) issue(0);
     }
-    // ---- pass 2: R_0 = dPS; dP_c += M_c^T R_c; R_{c+1} = R_c - (R_c W2_c^T) W_c + dks_c^T k~_c.
-    __syncthreads();
     const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
     for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
     if constexpr (S::kStageM) issue_m(0);
     for (int c = 0; c < p.sc; ++c) {
       __syncthreads();
-      const int i = pass1 + c;
+      const int i = c;
       if constexpr (S::kPrefetch) {
         if (c < p.sc - 1) {
           issue_dks(c);
@@ -571,10 +555,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
         else cp_async_wait_all();
         __syncthreads();
       }
-      // The dP product's A operand, M_c^T: staged (kStageM) or from the scratch.
+      // The dP product's A operand, M_c^T: staged (kStageM) or from p.msv.
       auto mct = [&](int r, int k) {
         if constexpr (S::kStageM) return __half2float(Ms[k * S::LMS + r]);
-        else return __half2float(Msc[size_t(c) * MR * K + size_t(k) * K + r]);
+        else return __half2float(Mit[size_t(c) * K * K + size_t(k) * K + r]);
       };
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
       if constexpr (NB == 1) {
@@ -711,16 +695,17 @@ int super_bwd_rows(int K, int items, bool whole, int sms, int optin) {
 size_t smem_super_prep(int K) { return K == 64 ? SuperSmem<64>::bytes : SuperSmem<128>::bytes; }
 size_t smem_super_bwd(int K) { return K == 64 ? SuperBwdSmem<64, 64, 0>::bytes : SuperBwdSmem<128, 128, 0>::bytes; }
 
-template <typename T, int K>
+template <typename T, int K, bool kKs>
 static cudaError_t super_t(const KernelParams& p, int rows, cudaStream_t s) {
   return with_rows<K>(rows, [&](auto rb) {
     constexpr int RB = decltype(rb)::value;
     const dim3 grid = item_head_grid(p.nsuper, p.H * (K / RB));
     if constexpr (RB == kSuperRows) {  // few items: the column split (a warp pair per 16 rows)
       constexpr int kXWarps = RB / 16 * 2;
-      return launch_with_smem(super_prep_kernel<T, K, RB, 2>, grid, 32 * kXWarps, SuperSmem<K, kXWarps>::bytes, s, p);
+      return launch_with_smem(super_prep_kernel<T, K, RB, 2, kKs>, grid, 32 * kXWarps, SuperSmem<K, kXWarps>::bytes,
+                              s, p);
     } else {
-      return launch_with_smem(super_prep_kernel<T, K, RB, 1>, grid, 2 * RB, SuperSmem<K>::bytes, s, p);
+      return launch_with_smem(super_prep_kernel<T, K, RB, 1, kKs>, grid, 2 * RB, SuperSmem<K>::bytes, s, p);
     }
   });
 }
@@ -751,14 +736,19 @@ cudaError_t launch_super_bwd(const KernelParams& p, int dtype, int rows, int gri
                    : super_bwd_t<__nv_bfloat16, 128>(p, rows, grid, optin, s);
 }
 
-cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s) {
+template <bool kKs>
+static cudaError_t super_prep_dispatch(const KernelParams& p, int dtype, int rows, cudaStream_t s) {
+  if (dtype == 0) return p.K == 64 ? super_t<__half, 64, kKs>(p, rows, s) : super_t<__half, 128, kKs>(p, rows, s);
+  return p.K == 64 ? super_t<__nv_bfloat16, 64, kKs>(p, rows, s) : super_t<__nv_bfloat16, 128, kKs>(p, rows, s);
+}
+
+cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s, bool ks) {
   if (p.nsuper == 0) return cudaSuccess;
   int sms = 0;
   const cudaError_t e = device_attr(cudaDevAttrMultiProcessorCount, &sms);
   if (e != cudaSuccess) return e;
   const int rows = super_rows(p.K, p.nsuper * p.H, false, sms);
-  if (dtype == 0) return p.K == 64 ? super_t<__half, 64>(p, rows, s) : super_t<__half, 128>(p, rows, s);
-  return p.K == 64 ? super_t<__nv_bfloat16, 64>(p, rows, s) : super_t<__nv_bfloat16, 128>(p, rows, s);
+  return ks ? super_prep_dispatch<true>(p, dtype, rows, s) : super_prep_dispatch<false>(p, dtype, rows, s);
 }
 
 template <typename T, int K>
