@@ -740,7 +740,6 @@ Status run_planned(const P& p, const core::Problem& pr, Run run, const CallPlan&
   return Status::Ok();
 }
 
-
 // Runs `run` (fwd_run / bwd_run) over the slices the limit asks for.
 template <class P, class Run>
 Status run_sliced(const P& p, const core::Problem& pr, Run run) {
@@ -773,10 +772,10 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   // super_bwd's M_c (msv: nsuper x H x sc x K x K halves, 1.75x the bytes of ks at K = 128) from the first
   // super_prep launch where the call fits whole with them kept from there, or its plan with them splits batch
   // rows no further than with a second launch after bwd_k (and keeps to the limit); else from that second
-  // launch. Both are the same steps of M: the results do not depend on the choice. Measured with a fallback
-  // that ran the chain in super_bwd instead (f+b ms at the default limit, dev/cuda/NOTES.md v3.54): K = 128
-  // T = 4k 18.36 -> 17.73, K = 64 T = 4k 18.08 -> 17.99 (backward slices 11 of 3 heads -> 16 of 2), K = 128
-  // T = 16k 34.40 -> 35.49 with M_c from the first launch (slices of 2 batch rows -> 1).
+  // launch. Both are the same steps of M: the results do not depend on the choice. Measured against
+  // super_bwd running the chain itself (f+b ms at the default limit, dev/cuda/NOTES.md v3.55): K = 128 T = 4k
+  // 18.38 -> 17.95, K = 64 T = 4k 18.22 -> 18.07, K = 128 T = 8k 23.69 -> 23.22 (first launch), K = 128 T = 16k
+  // 34.26 -> 34.40 (second launch; with the first, 35.49: its slices take 1 batch row instead of 2, v3.54).
   const auto early = [](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
     return bwd_run(sp, spr, ws, true);
   };
