@@ -223,12 +223,19 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     uint32_t pa[4][4], dsa[4][4];
     zero_acc(dv);
     zero_acc(hk);
-    auto issue_sdp = [&](uint32_t n) {
-      const uint64_t qb = stage_kmaj(Qs, n), db = stage_kmaj(Ds, n);
+    auto issue_s = [&](uint32_t n) {
+      const uint64_t qb = stage_kmaj(Qs, n);
 #pragma unroll
       for (int kt = 0; kt < K / 16; ++kt) wg_ss<T, 0, 0>(s, ka + a_off(kt), qb + k_off(kt), kt > 0);
+    };
+    auto issue_dp = [&](uint32_t n) {
+      const uint64_t db = stage_kmaj(Ds, n);
 #pragma unroll
       for (int kt = 0; kt < V / 16; ++kt) wg_ss<T, 0, 0>(dp, va + a_off(kt), db + k_off(kt), kt > 0);
+    };
+    auto issue_sdp = [&](uint32_t n) {
+      issue_s(n);
+      issue_dp(n);
       wg_commit();
     };
     // kFuse: dq (64 query rows x this warpgroup's K / 2 features, 64 wg .. or 32 wg ..) = dS kt_a for item n,
@@ -365,7 +372,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // Superblock a's items are [item_begin(a), item_begin(a - 1)); each superblock's first item is peeled out of
     // the loop (no product under a branch: ptxas would serialize every wgmma). At K = 64 the scores of item j are
     // issued together with dv / h of item j - 1 (registers allow it: far_bwd's bkw); at K = 128 one group at a
-    // time (bkw0: as fast there, without bkw's spills).
+    // time (bkw0: as fast there, without bkw's spills). Fused, item j - 1's dq is staged while item j's S^T
+    // (K = 128) or scores (K = 64) run on the tensor cores (dev/cuda/NOTES.md v3.56).
     constexpr bool kOverlap = K == 64;
     auto item_begin = [&](int a) {
       return a == last_sb ? 0 : (n_last + p.sc * (last_sb - 1 - a)) * p.group;
@@ -423,7 +431,23 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int j = j0 + 1; j < j1; ++j) {
         const uint32_t n = n_q + uint32_t(j);
         wait_item(j);
-        if constexpr (kOverlap) {
+        if constexpr (kOverlap && kFuse) {
+          // dv / h / dq of item j - 1 issued before item j's scores, so that j - 1's dq is staged and reduced
+          // under them (P^T / dS^T then run with no product under them: fused kernel -0.6% at K = 64, T = 4k;
+          // dev/cuda/NOTES.md v3.56).
+          issue_acc(n - 1);
+          issue_sdp(n);
+          wg_wait<1>();  // dv / h / dq of item j - 1 done; S^T, dP^T of item j may still run
+          fence_regs(dv, hk, pa, dsa);
+          release_q(n - 1);
+          add_dq(n - 1);
+          wg_wait<0>();
+          fence_regs(s, dp);
+          pds(n);
+          pack_frags<T, 4>(pa, s);
+          pack_frags<T, 4>(dsa, dp);
+          stage_ds(n);
+        } else if constexpr (kOverlap) {
           issue_sdp(n);
           issue_acc(n - 1);
           wg_wait<1>();  // S^T, dP^T of item j done; dv / h of item j - 1 may still run
@@ -433,6 +457,28 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           release_q(n - 1);
           fence_regs(dv, hk, pa, dsa);
           add_dq(n - 1);
+          pack_frags<T, 4>(pa, s);
+          pack_frags<T, 4>(dsa, dp);
+          stage_ds(n);
+        } else if constexpr (kFuse) {
+          // dv / h / dq of item j - 1 waited for, then item j's S^T issued before j - 1's dq is staged and
+          // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (fused
+          // kernel -2.7% at T = 4k and 16k; with dP^T's accumulators live too, dv, h, dq and both would not fit
+          // the registers: ptxas spills 208 / 268 bytes; dev/cuda/NOTES.md v3.56).
+          issue_acc(n - 1);
+          wg_wait<0>();
+          fence_regs(dv, hk, pa, dsa);
+          release_q(n - 1);
+          wg_fence();
+          issue_s(n);
+          wg_commit();
+          add_dq(n - 1);
+          wg_fence();
+          issue_dp(n);
+          wg_commit();
+          wg_wait<0>();
+          fence_regs(s, dp);
+          pds(n);
           pack_frags<T, 4>(pa, s);
           pack_frags<T, 4>(dsa, dp);
           stage_ds(n);
