@@ -6,7 +6,8 @@
 //          scratch (slots as scratch_slot_count says);
 //   pass 2 (right to left) takes logits qhat . kt for the query chunks of later superblocks (queries moved to
 //          their superblock's start) and q~_qc . kt^(qc) for those of the own superblock, accumulates
-//          dv += P^T dO (direct) and the key adjoint h = sum_hq scale dS^T q + h PS_a (or h P_qc) (tf32);
+//          dv += P^T dO (direct) and the key adjoint h = sum_hq scale dS^T q + h PS_a (or h P_qc) (fp16
+//          operands, h's rows scaled by powers of two);
 //          h at the own superblock's end is dks (far queries only, for the superblock products' gradient),
 //          and the chain ends with dk~ = h_{kc+1}; dv is final here: the diagonal chunk's part of each query
 //          head (bwd_q's dvdiag) is added before the store.
@@ -14,7 +15,7 @@
 // pass 2 starts from its h (dks) and dv.
 // Every output row belongs to this CTA alone: no atomics, deterministic in every mode. A warp owns 16 key
 // rows and every step of h is row-wise, so h and dv stay in registers (the chain steps take h as the A
-// operand through warp_mma_rr_tf32); about 105 KB of shared memory at K = V = 128: two CTAs per SM.
+// operand through warp_chunk_step / warp_ps_step); about 105 KB of shared memory at K = V = 128: two CTAs per SM.
 #include "cuda/common.cuh"
 #include "cuda/launchers.h"
 
@@ -295,13 +296,7 @@ struct BwdK {
         cp_async_wait_all();
         __syncthreads();
         if (a < last_sb) {  // across superblock a: h <- h PS_a (own rows)
-          float ga[K / 8][4];
-          zero_acc(ga);
-          warp_mma_rr_tf32<K / 8, K / 8, true>(ga, hk, Ws, LK, 0);
-#pragma unroll
-          for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) hk[nt][e] = ga[nt][e];
+          warp_ps_step<K, true>(hk, Ws, LK);
         }
         if constexpr (V <= K) {
           // Pipelined: item n = (chunk qend - n / group, head n % group) is scored from buffer n & 1 while

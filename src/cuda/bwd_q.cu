@@ -7,7 +7,8 @@
 //   pass 2 (left to right) runs the transport adjoint: over far superblocks, gbar <- gbar PS_sb^T with
 //          dPS_sb += qt_sb^T gbar, plus scale dS ks for the superblock's keys (moved to its end); then over
 //          the own superblock's chunks, dP_kc += qt_kc^T gbar, gbar <- gbar P_kc^T, plus scale dS k~;
-//          finally dq~ = gbar. The chains and dP use tf32 (gradients can be far below fp16's range).
+//          finally dq~ = gbar. The chains take gbar in fp16 with each row scaled by a power of two (gradients can
+//          be far below fp16's range: warp_chunk_step), dP / dPS in fp16 with one power of two for the tile.
 // With p.qfar (bwd_q_far.cu does the far superblocks on Hopper) it runs twice: qfar = 1 writes qhat and stops;
 // qfar = 2 (after bwd_q_far) parks only the own superblock's states and starts pass 2's chain there from dqt.
 // With p.kfuse bwd_k_far takes bwd_q_far's part (dq into dqt, zeroed here by the qhat launch), between the two.
@@ -18,7 +19,8 @@
 // earlier item adding into the same sum has added; the grid is persistent and takes items in order, so the
 // earliest unfinished item never waits).
 // gbar lives in registers (a warp's 16 query rows, C layout; the chain steps take it as the A operand through
-// warp_mma_rr_tf32) and is staged in shared memory only for the dP / dPS outer products, which sum over all rows;
+// warp_chunk_step / warp_ps_step) and is staged in shared memory only for the dP / dPS outer products, which sum
+// over all rows;
 // the staging tile lies over the key / value tiles (free at the outer products), the diagonal's dS tile over
 // W / W2, and the query snapshot is converted to the input type in place after its outer product: about
 // 106 KB of shared memory at K = V = 128, two CTAs per SM. At K = V = 64 two more tiles (55 -> 73 KB, still three
@@ -58,13 +60,14 @@ __device__ __forceinline__ void ticket_pass(int* ticket, int rank) {
 
 template <int K, int V>
 struct BwdQSmem {
-  static constexpr int LK = K + 8, LV = V + 8, LG = K + 4, LX = kChunk + 4;
+  static constexpr int LK = K + 8, LV = V + 8, LX = kChunk + 4;
   // Qh [64][LK] (fp16, converted in place to the input type for the scores); the key / value region, Ks
-  // [64][LK] and Vs [64][LV], or gb [64][LG] f32; Ws, W2s [64][LK] fp16 (a K x K superblock product; the
-  // diagonal's dXs [64][LX] f32; for V <= K, far key chunks' second Ks / Vs buffer); dOs [64][LV]; 5 x 64 f32.
-  static constexpr size_t kv_bytes = size_t(kChunk) * (LK + LV) * 2, gb_bytes = size_t(kChunk) * LG * 4;
+  // [64][LK] and Vs [64][LV], or gb [64][LK] fp16; Ws, W2s [64][LK] fp16 (a K x K superblock product; the
+  // diagonal's dXs [64][LX] f32; for V <= K, far key chunks' second Ks / Vs buffer); dOs [64][LV]; 5 x 64 f32
+  // and the 4 warps' maxima of gbar.
+  static constexpr size_t kv_bytes = size_t(kChunk) * (LK + LV) * 2, gb_bytes = size_t(kChunk) * LK * 2;
   static constexpr size_t region = kv_bytes > gb_bytes ? kv_bytes : gb_bytes;
-  static constexpr size_t base = size_t(kChunk) * (3 * LK + LV) * 2 + region + 5 * kChunk * 4;
+  static constexpr size_t base = size_t(kChunk) * (3 * LK + LV) * 2 + region + 5 * kChunk * 4 + 4 * 4;
   // With pf, two more [64][LK] tiles in front of Qh: Qn, where pass 2's own superblock loads the next step's query
   // snapshot, and Qc, its score operand (BwdQ::run). Only where K = 64's three CTAs an SM still fit: 228 KB an SM,
   // 1 KB of it reserved a CTA, leaves 75 KB a CTA, less the kernel's static bytes (74 KB leaves room). K = V = 64
@@ -82,10 +85,10 @@ struct BwdQSmem {
 template <typename T, int K, int V, bool kDetCols, bool kPlain>
 struct BwdQ {
   using S = BwdQSmem<K, V>;
-  static constexpr int LK = S::LK, LV = S::LV, LG = S::LG, LX = S::LX;
-  __half *Qh, *Ws, *W2s, *Qn, *Qc;
+  static constexpr int LK = S::LK, LV = S::LV, LX = S::LX;
+  __half *Qh, *Ws, *W2s, *Qn, *Qc, *gb;
   T *Ks, *Vs, *dOs;
-  float *gb, *dXs, *Gk, *Gk2, *lse2, *del, *dga;
+  float *dXs, *Gk, *Gk2, *lse2, *del, *dga, *gmx;
 
   __device__ void carve(uint8_t* smem) {
     if constexpr (S::pf) {
@@ -97,7 +100,7 @@ struct BwdQ {
     uint8_t* kv = smem + size_t(kChunk) * LK * 2;
     Ks = reinterpret_cast<T*>(kv);
     Vs = Ks + kChunk * LK;
-    gb = reinterpret_cast<float*>(kv);
+    gb = reinterpret_cast<__half*>(kv);
     Ws = reinterpret_cast<__half*>(kv + S::region);
     W2s = Ws + kChunk * LK;
     dXs = reinterpret_cast<float*>(Ws);
@@ -107,6 +110,7 @@ struct BwdQ {
     lse2 = Gk2 + kChunk;
     del = lse2 + kChunk;
     dga = del + kChunk;
+    gmx = dga + kChunk;
   }
 
   // One (chunk ci, query head hq) item.
@@ -320,25 +324,46 @@ struct BwdQ {
     auto rank_after = [&](int last) { return (last - qc) * p.group + hr_in_group; };
     float gq[K / 8][4];  // gbar, this warp's rows
     zero_acc(gq);
-    // gq -> Gs (own rows; [64][LG] f32); callers sync before other warps read it.
-    auto stage_gbar = [&](float* Gs) {
+    // gbar is staged for the outer products in fp16 with one power of two for the 64-row tile (its largest entry
+    // into [0.5, 1)), as bwd_q_far stages it: rows far below the tile's largest lose relative precision, but their
+    // terms' errors stay below the largest rows' rounding. gbar_max (before the barrier that precedes stage_gbar,
+    // once gq is final) leaves this warp's largest |entry| in gmx; stage_gbar writes gq (own rows) into Gs
+    // ([64][LK] fp16) and returns the factor that undoes the scale; callers sync before other warps read Gs.
+    auto gbar_max = [&]() {
+      float mx = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(gq[nt][e]));
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if (lane == 0) gmx[warp] = mx;
+    };
+    auto stage_gbar = [&](__half* Gs) {
+      const float mx = fmaxf(fmaxf(gmx[0], gmx[1]), fmaxf(gmx[2], gmx[3]));
+      int ex = 0;
+      frexpf(mx, &ex);
+      ex = max(ex, kMinScaleExp);
+      const float down = ldexpf(1.f, -ex);
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
-          *reinterpret_cast<float2*>(Gs + rr[hr] * LG + 8 * nt + 2 * t4) = make_float2(gq[nt][2 * hr], gq[nt][2 * hr + 1]);
+          *reinterpret_cast<uint32_t*>(Gs + rr[hr] * LK + 8 * nt + 2 * t4) =
+              Pack2<__half>::pack(gq[nt][2 * hr] * down, gq[nt][2 * hr + 1] * down);
+      return ldexpf(1.f, ex);
     };
     // dst += Qs^T Gs (query snapshot, staged gbar; K x K; warp w owns rows [w K/4, (w+1) K/4)): vector reductions
     // (sm_90; scalar atomics elsewhere), or, in deterministic mode, plain adds (through L2) once `ticket` says the
     // rank earlier items have added theirs.
-    auto add_outer = [&](const __half* Qs, const float* Gs, float* dst_base, int* ticket, int rank) {
+    auto add_outer = [&](const __half* Qs, const __half* Gs, float up, float* dst_base, int* ticket, int rank) {
       constexpr int MT = K / 64;
       if (p.deterministic) ticket_wait(ticket, rank);
 #pragma unroll
       for (int n0 = 0; n0 < K; n0 += 64) {
         float d[MT][8][4];
         zero_acc(d);
-        warp_mma_tf32<MT, 8, true, true, __half, float>(d, Qs, LK, warp * 16 * MT, Gs, LG, n0, kChunk);
+        warp_mma_ss<__half, MT, 8, true, true>(d, Qs, LK, warp * 16 * MT, Gs, LK, n0, kChunk);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -349,10 +374,10 @@ struct BwdQ {
               for (int e = 0; e < 4; e += 2) {
                 float* dst = dst_base + (a0 + g + 8 * (e >> 1)) * K + b0 + 2 * t4;
                 const float2 o = __ldcg(reinterpret_cast<const float2*>(dst));
-                __stcg(reinterpret_cast<float2*>(dst), make_float2(o.x + d[mt][nt][e], o.y + d[mt][nt][e + 1]));
+                __stcg(reinterpret_cast<float2*>(dst), make_float2(o.x + d[mt][nt][e] * up, o.y + d[mt][nt][e + 1] * up));
               }
             } else {
-              red_add_frag_v4(dst_base, K, a0, b0, d[mt][nt], 1.f);  // (sm_90: four columns of one row per lane)
+              red_add_frag_v4(dst_base, K, a0, b0, d[mt][nt], up);  // (sm_90: four columns of one row per lane)
             }
           }
       }
@@ -466,8 +491,9 @@ struct BwdQ {
       const T* ksp = static_cast<const T*>(p.ks);
       float* dPSbase = p.dps + (int64_t(ch.sfirst) * p.H + h) * K * K;
       for (int sb = 0; sb < sbq; ++sb) {
+        gbar_max();
         __syncthreads();
-        if (sb > 0) stage_gbar(gb);
+        const float up = sb > 0 ? stage_gbar(gb) : 1.f;
         load_tile_async<K>(Qh, scratch + size_t(p.sc + sb) * kChunk * K, K, kChunk);
         if (sb > 0) {
           const __half* ps = p.ps + (int64_t(ch.sfirst + sb) * p.H + h) * K * K;
@@ -478,15 +504,9 @@ struct BwdQ {
         __syncthreads();
         if (sb > 0) {
           // Across superblock sb (qt_{sb-1} = qt_sb PS_sb): dPS_sb += qt_sb^T gbar, gbar <- gbar PS_sb^T.
-          add_outer(Qh, gb, dPSbase + int64_t(sb) * p.H * K * K, tk_ps ? tk_ps + int64_t(sb) * p.H : nullptr,
+          add_outer(Qh, gb, up, dPSbase + int64_t(sb) * p.H * K * K, tk_ps ? tk_ps + int64_t(sb) * p.H : nullptr,
                     rank_after(nc - 1));
-          float ga[K / 8][4];
-          zero_acc(ga);
-          warp_mma_rr_tf32<K / 8, K / 8, false>(ga, gq, Ws, LK, 0);
-#pragma unroll
-          for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) gq[nt][e] = ga[nt][e];
+          warp_ps_step<K, false>(gq, Ws, LK);
           __syncthreads();  // gb (under Ks / Vs) and Qh read by every warp
         }
         const T* Qop = score_operand(Qh, Qh);
@@ -534,7 +554,7 @@ struct BwdQ {
     // The own superblock's chunks. Without S::pf each step loads its tiles when their buffers free up and waits for
     // them at once, twice a step. With S::pf the query snapshot comes into Qn, which the outer product and the
     // conversion (into Qc) are done with at the barrier before the scores: the next step's snapshot loads from
-    // there on, under the scores, the chain step and the local add. gbar is staged over Qc and Qh (Qh is unused
+    // there on, under the scores, the chain step and the local add. gbar is staged over Qc (Qh is unused
     // here), so the keys, values, W and W2 (single buffers: the step before reads them to its end) load from the
     // step's start on, under the outer product and the conversion; the gate terms come through a register. Every
     // tile keeps a fixed address and the first snapshot loads at its step's start: at 168 registers, alternating
@@ -547,7 +567,8 @@ struct BwdQ {
     for (int kc = first; kc < qc; ++kc) {
       const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
       __half* const Qs = S::pf ? Qn : Qh;
-      float* const Gs = S::pf ? reinterpret_cast<float*>(Qc) : gb;
+      __half* const Gs = S::pf ? Qc : gb;
+      gbar_max();
       __syncthreads();
       float g_raw = 0.f;  // with S::pf, this thread's gate term of chunk kc, stored once the outer product is done
       if constexpr (S::pf) {
@@ -559,7 +580,7 @@ struct BwdQ {
         commit_with_w(kc, tok);  // one group with the keys and values
         if (p.gate && threadIdx.x < kChunk) g_raw = p.G[(tok + threadIdx.x) * p.HQ + hq];
       }
-      if (kc > 0) stage_gbar(Gs);
+      const float up = kc > 0 ? stage_gbar(Gs) : 1.f;
       if constexpr (S::pf) {
         cp_async_wait_group<1>();  // the snapshot; the keys, values, W, W2 may be in flight
       } else {
@@ -570,7 +591,7 @@ struct BwdQ {
       __syncthreads();
       // Across chunk kc: dP_kc += qt_kc^T gbar (before gbar's step below).
       if (kc > 0)
-        add_outer(Qs, Gs, dPbase + int64_t(kc) * p.H * K * K, tk_p ? tk_p + int64_t(kc) * p.H : nullptr,
+        add_outer(Qs, Gs, up, dPbase + int64_t(kc) * p.H * K * K, tk_p ? tk_p + int64_t(kc) * p.H : nullptr,
                   rank_after(p.path ? min(kc / p.sc * p.sc + p.sc - 1, nc - 1) : nc - 1));
       __syncthreads();  // Gs (gb under Ks / Vs, or over Qc, Qh) and Qs read by every warp
       if constexpr (!S::pf) {

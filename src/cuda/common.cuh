@@ -216,35 +216,6 @@ __device__ __forceinline__ void warp_mma_rs(float (&acc)[NT][4], const float (&s
   }
 }
 
-// tf32 warp tile: A, B in shared memory as fp32 (SA/SB = float) or fp16 (= __half), converted on load.
-// Layout flags as in warp_mma_ss. Used for the gradient transport chains, whose values can be far below
-// the fp16 range (ALGORITHMS.md section 4: transport operands fp16 or tf32, never bf16).
-template <int MT, int NT, bool TA, bool TB, typename SA, typename SB>
-__device__ __forceinline__ void warp_mma_tf32(float (&acc)[MT][NT][4], const SA* A, int lda, int m0, const SB* B,
-                                              int ldb, int n0, int kdim) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  auto ea = [&](int m, int k) { return to_tf32(to_f(TA ? A[k * lda + m] : A[m * lda + k])); };
-  auto eb = [&](int k, int n) { return to_tf32(to_f(TB ? B[k * ldb + n] : B[n * ldb + k])); };
-  for (int k0 = 0; k0 < kdim; k0 += 8) {
-    uint32_t a[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int m = m0 + 16 * mt + g;
-      a[mt][0] = ea(m, k0 + t);
-      a[mt][1] = ea(m + 8, k0 + t);
-      a[mt][2] = ea(m, k0 + t + 4);
-      a[mt][3] = ea(m + 8, k0 + t + 4);
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int n = n0 + 8 * nt + g;
-      const uint32_t b0 = eb(k0 + t, n), b1 = eb(k0 + t + 4, n);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) mma1688_tf32(acc[mt][nt], a[mt], b0, b1);
-    }
-  }
-}
-
 template <int MT, int NT>
 __device__ __forceinline__ void zero_acc(float (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -293,19 +264,74 @@ __device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const floa
   }
 }
 
+// The smallest power of two a row (or tile) scaled into [-1, 1) is divided by (2^120 and 2^-120 are normal
+// floats). Rows of entries below 2^-126 (the gate's far pairs have weights down to e^-hundreds) would make 2^-e
+// overflow to inf and the scaled row NaN; scaled by 2^120 they stay below 1 and lose fp16's relative precision
+// only under 2^-134, where fp32 itself is subnormal.
+inline constexpr int kMinScaleExp = -120;
+
+// Scales each row of a warp's 16-row C-layout tile x (rows g and g + 8, N n-tiles) by a power of two into
+// [-1, 1) (exact), and returns the factors that undo it in up: fp16 operands from such rows keep fp16's relative
+// precision (tf32's) whatever the rows' range, as the gradient transport chains need.
+template <int N>
+__device__ __forceinline__ void row_scale_down(float (&x)[N][4], float (&up)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt) mx = fmaxf(mx, fmaxf(fabsf(x[nt][2 * hr]), fabsf(x[nt][2 * hr + 1])));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    int e = 0;
+    frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
+    e = max(e, kMinScaleExp);
+    const float down = ldexpf(1.f, -e);
+    up[hr] = ldexpf(1.f, e);
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt) {
+      x[nt][2 * hr] *= down;
+      x[nt][2 * hr + 1] *= down;
+    }
+  }
+}
+template <int N>
+__device__ __forceinline__ void row_scale_up(float (&x)[N][4], const float (&up)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[nt][e] *= up[e >> 1];
+}
+
 // One chunk's transport step on a warp's 16-row register tile h (C layout, K / 8 n-tiles):
-// h <- h - (h A^T) B, with the chunk's [64][K] fp16 tiles A, B in shared memory (leading dim ld); tf32, h the
-// A operand from registers. A = W, B = W2 is h P_c (P_c = I - W^T W2); A = W2, B = W is h P_c^T.
+// h <- h - (h A^T) B, with the chunk's [64][K] fp16 tiles A, B in shared memory (leading dim ld). fp16 operands
+// (h's rows scaled by powers of two first, so they are tf32's 11 bits for any range), fp32 accumulation, h the A
+// operand from registers and B through ldmatrix. A = W, B = W2 is h P_c (P_c = I - W^T W2); A = W2, B = W is
+// h P_c^T. (h A^T) of a scaled row is at most sqrt(K) times A's row norm: in fp16's range for the chunks' W, W2.
 template <int K>
 __device__ __forceinline__ void warp_chunk_step(float (&h)[K / 8][4], const __half* A, const __half* B, int ld) {
+  float up[2];
+  row_scale_down(h, up);
   float y[8][4];
   zero_acc(y);
-  warp_mma_rr_tf32<K / 8, 8, false>(y, h, A, ld, 0);
+  warp_mma_rs<__half, K / 16, 8, false>(y, h, 1.f, A, ld, 0);
+  warp_mma_rs<__half, 4, K / 8, true>(h, y, -1.f, B, ld, 0);
+  row_scale_up(h, up);
+}
+
+// x <- x PS (kTB: PS stored [k][n]) or x PS^T (PS stored [n][k]) for a warp's 16-row register tile x (C layout,
+// K / 8 n-tiles) and a K x K fp16 superblock product PS in shared memory (leading dim ld), rows scaled as in
+// warp_chunk_step.
+template <int K, bool kTB>
+__device__ __forceinline__ void warp_ps_step(float (&x)[K / 8][4], const __half* PS, int ld) {
+  float up[2];
+  row_scale_down(x, up);
+  float y[K / 8][4];
+  zero_acc(y);
+  warp_mma_rs<__half, K / 16, K / 8, kTB>(y, x, 1.f, PS, ld, 0);
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < K / 8; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) y[nt][e] = -y[nt][e];
-  warp_mma_rr_tf32<8, K / 8, true>(h, y, B, ld, 0);
+    for (int e = 0; e < 4; ++e) x[nt][e] = y[nt][e] * up[e >> 1];
 }
 
 // Stores a warp's 16-row register tile (C layout of KN / 8 n-tiles, rows 16 warp + g and + 8) to a row-major

@@ -188,12 +188,6 @@ __device__ __forceinline__ void load_frags(uint32_t (&f)[KT][4], const E* row0, 
   }
 }
 
-// The smallest power of two a row (or tile) scaled into [-1, 1) is divided by (2^120 and 2^-120 are normal
-// floats). Rows of entries below 2^-126 (the gate's far pairs have weights down to e^-hundreds) would make 2^-e
-// overflow to inf and the scaled row NaN; scaled by 2^120 they stay below 1 and lose fp16's relative precision
-// only under 2^-134, where fp32 itself is subnormal.
-inline constexpr int kMinScaleExp = -120;
-
 // x <- x PS (kTransposed: x PS^T) for a warpgroup's 64 x K fp32 tile (this warp's 16 rows, C layout) and a K x K
 // fp16 product PS in shared memory as TMA writes it (column blocks of K rows x 64, 128-byte swizzle): fp16
 // operands, fp32 accumulation. kRowScale first scales each row by a power of two into [-1, 1) and back after
@@ -202,26 +196,7 @@ inline constexpr int kMinScaleExp = -120;
 template <int K, bool kTransposed, bool kRowScale>
 __device__ __forceinline__ void ps_product(float (&x)[K / 8][4], const __half* PSs) {
   float up[2] = {1.f, 1.f};
-  if constexpr (kRowScale) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float mx = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt) mx = fmaxf(mx, fmaxf(fabsf(x[nt][2 * hr]), fabsf(x[nt][2 * hr + 1])));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      int e = 0;
-      frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
-      e = max(e, kMinScaleExp);
-      const float down = ldexpf(1.f, -e);
-      up[hr] = ldexpf(1.f, e);
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt) {
-        x[nt][2 * hr] *= down;
-        x[nt][2 * hr + 1] *= down;
-      }
-    }
-  }
+  if constexpr (kRowScale) row_scale_down(x, up);
   uint32_t a[K / 16][4];
   pack_frags<__half, K / 16>(a, x);
   fence_regs(a);
@@ -239,15 +214,7 @@ __device__ __forceinline__ void ps_product(float (&x)[K / 8][4], const __half* P
   wg_commit();
   wg_wait<0>();
   fence_regs(x);
-  if constexpr (kRowScale) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt) {
-        x[nt][2 * hr] *= up[hr];
-        x[nt][2 * hr + 1] *= up[hr];
-      }
-  }
+  if constexpr (kRowScale) row_scale_up(x, up);
 }
 
 // The backward's far kernels' 128 x K fp32 tile (256 threads; warp w's rows 16 w .. in the C layout) staged in

@@ -95,6 +95,7 @@ std::string CaseSpec::name() const {
   static const char* bm[] = {"beta_u02", "beta_2", "beta_0", "beta_near2"};
   s << "_" << bm[int(beta)] << "_seed" << seed;
   if (q_scale != 1) s << "_qx" << q_scale;
+  if (do_scale != 1) s << "_dox" << do_scale;
   return s.str();
 }
 
@@ -195,7 +196,7 @@ HostTensor random_dout(const Case& c, uint64_t seed) {
   HostTensor d(s.dtype, {s.B, s.T, s.HQ, s.V});
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> nd(0.0, 1.0);
-  for (int64_t i = 0; i < d.numel(); ++i) d.set(i, nd(rng));
+  for (int64_t i = 0; i < d.numel(); ++i) d.set(i, s.do_scale * nd(rng));
   return d;
 }
 

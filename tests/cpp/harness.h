@@ -52,6 +52,7 @@ struct CaseSpec {
   uint64_t seed = 1;
   double gate_scale = kDefaultScale;
   double q_scale = 1;                   // q ~ N(0, q_scale^2) (range cases: entries beyond fp16's)
+  double do_scale = 1;                  // random_dout ~ N(0, do_scale^2) (gradients outside fp16's range)
   std::string name() const;
 };
 // gtest prints parameters through this (readable test logs instead of a byte dump).
