@@ -387,6 +387,16 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       fence_regs(s, dp, dv, hk, pa, dsa);
       wg_fence();
     };
+    // Item n's S^T and dP^T, once done, into P^T and dS^T (the A fragments of its dv / h products; kFuse: dS^T
+    // staged for dq).
+    auto finish_scores = [&](uint32_t n) {
+      wg_wait<0>();
+      fence_regs(s, dp);
+      pds(n);
+      pack_frags<T, 4>(pa, s);
+      pack_frags<T, 4>(dsa, dp);
+      stage_ds(n);
+    };
     auto acc_alone = [&](uint32_t n) {  // dv, h (and dq) of item n, waited for, its stage released
       issue_acc(n);
       wg_wait<0>();
@@ -397,12 +407,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     auto scores_alone = [&](uint32_t n) {
       wg_fence();
       issue_sdp(n);
-      wg_wait<0>();
-      fence_regs(s, dp);
-      pds(n);
-      pack_frags<T, 4>(pa, s);
-      pack_frags<T, 4>(dsa, dp);
-      stage_ds(n);
+      finish_scores(n);
     };
 #pragma unroll 1
     for (int a = last_sb; a > sbk; --a) {
@@ -441,12 +446,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           fence_regs(dv, hk, pa, dsa);
           release_q(n - 1);
           add_dq(n - 1);
-          wg_wait<0>();
-          fence_regs(s, dp);
-          pds(n);
-          pack_frags<T, 4>(pa, s);
-          pack_frags<T, 4>(dsa, dp);
-          stage_ds(n);
+          finish_scores(n);
         } else if constexpr (kOverlap) {
           issue_sdp(n);
           issue_acc(n - 1);
@@ -476,12 +476,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           wg_fence();
           issue_dp(n);
           wg_commit();
-          wg_wait<0>();
-          fence_regs(s, dp);
-          pds(n);
-          pack_frags<T, 4>(pa, s);
-          pack_frags<T, 4>(dsa, dp);
-          stage_ds(n);
+          finish_scores(n);
         } else {
           acc_alone(n - 1);
           scores_alone(n);

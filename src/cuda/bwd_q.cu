@@ -330,20 +330,12 @@ struct BwdQ {
     // once gq is final) leaves this warp's largest |entry| in gmx; stage_gbar writes gq (own rows) into Gs
     // ([64][LK] fp16) and returns the factor that undoes the scale; callers sync before other warps read Gs.
     auto gbar_max = [&]() {
-      float mx = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(gq[nt][e]));
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float mx = warp_abs_max(gq);
       if (lane == 0) gmx[warp] = mx;
     };
     auto stage_gbar = [&](__half* Gs) {
       const float mx = fmaxf(fmaxf(gmx[0], gmx[1]), fmaxf(gmx[2], gmx[3]));
-      int ex = 0;
-      frexpf(mx, &ex);
-      ex = max(ex, kMinScaleExp);
+      const int ex = scale_exp(mx);
       const float down = ldexpf(1.f, -ex);
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt)

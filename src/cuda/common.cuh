@@ -270,6 +270,27 @@ __device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const floa
 // only under 2^-134, where fp32 itself is subnormal.
 inline constexpr int kMinScaleExp = -120;
 
+// The exponent e of the power of two 2^-e that scales entries of largest magnitude mx into [-1, 1): mx = f 2^e,
+// f in [0.5, 1) (e = 0 for mx = 0), at least kMinScaleExp.
+__device__ __forceinline__ int scale_exp(float mx) {
+  int e = 0;
+  frexpf(mx, &e);
+  return max(e, kMinScaleExp);
+}
+
+// The largest |entry| of a warp's C-layout tile x (N n-tiles), in every lane.
+template <int N>
+__device__ __forceinline__ float warp_abs_max(const float (&x)[N][4]) {
+  float mx = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(x[nt][e]));
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  return mx;
+}
+
 // Scales each row of a warp's 16-row C-layout tile x (rows g and g + 8, N n-tiles) by a power of two into
 // [-1, 1) (exact), and returns the factors that undo it in up: fp16 operands from such rows keep fp16's relative
 // precision (tf32's) whatever the rows' range, as the gradient transport chains need.
@@ -282,9 +303,7 @@ __device__ __forceinline__ void row_scale_down(float (&x)[N][4], float (&up)[2])
     for (int nt = 0; nt < N; ++nt) mx = fmaxf(mx, fmaxf(fabsf(x[nt][2 * hr]), fabsf(x[nt][2 * hr + 1])));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    int e = 0;
-    frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1) (e = 0 for mx = 0)
-    e = max(e, kMinScaleExp);
+    const int e = scale_exp(mx);
     const float down = ldexpf(1.f, -e);
     up[hr] = ldexpf(1.f, e);
 #pragma unroll

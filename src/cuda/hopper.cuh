@@ -227,21 +227,13 @@ template <typename T, int K>
 __device__ __forceinline__ float stage_tile_scaled(const float (&x)[K / 8][4], T* dst, float* red) {
   constexpr int kRows = 128;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  float mx = 0.f;
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(x[nt][e]));
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float mx = warp_abs_max(x);
   if (lane == 0) red[warp] = mx;
   __syncthreads();
   mx = 0.f;
 #pragma unroll
   for (int w = 0; w < kRows / 16; ++w) mx = fmaxf(mx, red[w]);
-  int ex = 0;
-  frexpf(mx, &ex);
-  ex = max(ex, kMinScaleExp);
+  const int ex = scale_exp(mx);
   const float down = ldexpf(1.f, -ex);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
