@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
   using TK = TcTile<kChunk, K>;
   constexpr int kU = kTcUnroll(K);  // products below: kUW false (the shuffled warp index costs spills here)
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   float* Wf = sm;
   float* W2f = Wf + kChunk * LW;                        // W2 as fp16 [64][LT] (w2h) until the heads' loop ends
   __half* W2h = reinterpret_cast<__half*>(W2f);
@@ -127,12 +127,15 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(1);
   auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };
-  auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };
   auto k_rk = [&](int r, int d) { return to_f(Ks[r * LT + d]); };
-  auto w2 = [&](int r, int d) { return __half2float(W2h[r * LT + d]); };
+  // W and W2 where k runs along their stored rows (paired loads in mma_tc_acc: KRows).
+  const auto wA = a_rows(static_cast<const float*>(Wf), LW);
+  const auto wB = b_rows(static_cast<const float*>(Wf), LW);
+  const auto w2A = a_rows(static_cast<const __half*>(W2h), LT);
+  const auto w2B = b_rows(static_cast<const __half*>(W2h), LT);
   // Z = strict_lower(W K^T) -> Zs (before the heads' loop, and after it where dQs lay over Zs).
   auto compute_z = [&]() {
-    block_mm_tc<kChunk, kChunk, K, false, kU, false>(w_rk, [&](int k, int c) { return k_rk(c, k); },
+    block_mm_tc<kChunk, kChunk, K, false, kU, false>(wA, b_rows(static_cast<const T*>(Ks), LT),
                                               [&](int r, int c, float v) { Zs[r * LC + c] = c < r ? v : 0.f; },
                                               kFull.out_lower(-1));
   };
@@ -157,9 +160,9 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // ---- gradients of the chunk-end keys (dk~) and of the chunk product (D = dP).
   auto dKt = [&](int j, int a) { return Big[j * LW + a]; };
   // dW -= U dk~;  dU = -W dk~^T (strict lower);  dK += dk~.
-  mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dWa, [&](int r, int k) { return Us[r * LC + k]; },
-                                           [&](int k, int a) { return -dKt(k, a); }, kFull.kmax_r(-1));
-  block_mm_tc<kChunk, kChunk, K, false, kU, false>(w_rk, [&](int k, int j) { return dKt(j, k); },
+  mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dWa, a_rows(Us, LC), [&](int k, int a) { return -dKt(k, a); },
+                                                   kFull.kmax_r(-1));
+  block_mm_tc<kChunk, kChunk, K, false, kU, false>(wA, b_rows(Big, LW),
                                             [&](int r, int j, float v) { dUs[r * LC + j] = j < r ? -v : 0.f; },
                                             kFull.out_lower(-1));
   TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
@@ -176,16 +179,16 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       cp_async_wait_all();
       __syncthreads();
     }
-    mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, w_rk, [&](int a, int d) { return -D0[a * LW + d]; });
+    mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, wA, [&](int a, int d) { return -D0[a * LW + d]; });
     if constexpr (K > kChunk)
-      mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, [&](int r, int a) { return Wf[r * LW + kChunk + a]; },
-                                               [&](int a, int d) { return -D1[a * LW + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2, [&](int k, int a) {
-      return -(K == kChunk || a < kChunk ? D0[a * LW + k] : D1[(a - kChunk) * LW + k]);
-    });
+      mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, a_rows(Wf + kChunk, LW),
+                                                       [&](int a, int d) { return -D1[a * LW + d]; });
+    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2A, b_rows<float, true>([=](int a) {
+      return K == kChunk || a < kChunk ? D0 + a * LW : D1 + (a - kChunk) * LW;
+    }));
   } else {
     mma_tc_acc<kChunk, K, K, false, kU, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2, [&](int k, int a) { return -Dm[a * K + k]; });
+    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2A, b_rows<true>(Dm, K));
   }
 
   // ---- per query head: dq, and the X / A_loc terms.
@@ -217,24 +220,34 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
       else return r < nq ? dal[r * dal_ld + c] : 0.f;
     };
     auto q_rk = [&](int r, int d) { return to_f(Qs[r * LT + d]); };
+    // dq~ and dA_loc as A operands: paired loads from their staged tiles (KRows), else the accessors above.
+    const auto dQa = [&] {
+      if constexpr (kStageDQ) return a_rows(static_cast<const float*>(dQs), LW);
+      else return dQt;
+    }();
+    const auto dAa = [&] {
+      if constexpr (kStageDA) return a_rows(static_cast<const float*>(dAs), LC);
+      else return dAl;
+    }();
     cp_async_wait_group<1>();  // Q
     __syncthreads();
     // X = tril_incl(Q W^T) -> Xs.
     block_mm_tc<kChunk, kChunk, K, false, kU, false>(
-        q_rk, w_kc, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; }, kFull.out_lower(0));
+        a_rows(static_cast<const T*>(Qs), LT), wB, [&](int r, int s, float v) { Xs[r * LC + s] = s <= r ? v : 0.f; },
+        kFull.out_lower(0));
     cp_async_wait_all();  // dA_loc, dq~
     __syncthreads();
     PA_PROBE(7);
     // dX = -(dq~ W2^T + dA_loc U^T) on the lower triangle -> dXs.
     block_mm_tc2<kChunk, kChunk, K, kChunk, false, kU>(
-        dQt, [&](int k, int s) { return w2(s, k); }, dAl, [&](int k, int s) { return Us[s * LC + k]; },
+        dQa, w2B, dAa, b_rows(Us, LC),
         [&](int r, int s, float v) { dXs[r * LC + s] = s <= r && r < nq ? -v : 0.f; }, kFull.out_lower(0),
         kFull.out_lower(0).kmax_r(0).kmax_c(-1));
     __syncthreads();
     PA_PROBE(8);
     // dq = dq~ + dA_loc K + dX W.
     block_mm_tc2_pairs<kChunk, K, kChunk, kChunk, false, kU>(
-        dAl, k_rk, [&](int r, int k) { return dXs[r * LC + k]; }, w_rk,
+        dAa, k_rk, a_rows(dXs, LC), w_rk,
         [&](int r, int d, float v, float u) {
           if (r < nq)
             store2(dqp + ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d, dQt(r, d) + v,
@@ -271,8 +284,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   PA_PROBE(10);
   // dE (lower incl.) = (dU Zb^T + dW2 Wb^T) -> Us.
   block_mm_tc2<kChunk, kChunk, kChunk, K, false, kU>(
-      [&](int r, int k) { return dUs[r * LC + k]; }, [&](int k, int s) { return Zs[s * LC + k]; },
-      [&](int r, int k) { return dW2s[r * LW + k]; }, w_kc,
+      a_rows(dUs, LC), b_rows(Zs, LC), a_rows(dW2s, LW), wB,
       [&](int r, int s, float v) { Us[r * LC + s] = s <= r ? v * bs[s] : 0.f; },
       kFull.out_lower(0).kmax_r(-1).kmax_c(-1), kFull.out_lower(0));
   // dZb = E^T dU, in place (strict lower).
@@ -297,8 +309,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   block_mm_tc<kChunk, K, kChunk, false, kU, false>([&](int s, int r) { return Es[r * LC + s]; },
                                             [&](int r, int d) { return dW2s[r * LW + d]; },
                                             [&](int s, int d, float v) { Big[s * LW + d] = v; }, kFull.kmin_r(0));
-  block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>([&](int r, int s) { return Us[r * LC + s]; },
-                                                 [&](int s, int c) { return Es[c * LC + s]; },
+  block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>(a_rows(Us, LC), b_rows(Es, LC),
                                                  [&](int r, int c, float v) { Zs[r * LC + c] = v; },
                                                  kFull.kmax_r(0).kmax_c(0));
   __syncthreads();
@@ -318,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   PA_PROBE(13);
   // dbeta_a += sum_c dA[a][c] (w_a . w_c): the Gram products into Zs, then fixed-order row sums.
   block_mm_tc<kChunk, kChunk, K, false, kU, false>(
-      w_rk, w_kc, [&](int a, int c, float v) { Zs[a * LC + c] = dUs[a * LC + c] * v; }, kFull.out_lower(-1));
+      wA, wB, [&](int a, int c, float v) { Zs[a * LC + c] = dUs[a * LC + c] * v; }, kFull.out_lower(-1));
   // dW += (diag(b) dA + dA^T diag(b)) W.
   mma_tc_acc<kChunk, K, kChunk, false, kU, false>(
       dWa,

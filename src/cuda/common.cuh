@@ -671,10 +671,51 @@ constexpr int kTcUnroll(int K) { return K == 64 ? 4 : 2; }
 __device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 __device__ __forceinline__ int uniform_warp_id() { return warp_uniform(int(threadIdx.x >> 5)); }
 
+// Operand accessors for mma_tc_acc whose inner index k runs along a row in memory: row(i) gives the row's first
+// element (type E: fp32 or 16-bit, rows 8-byte aligned for fp32, 4-byte for 16-bit), i the operand's other index
+// (A: the output row, kB: the output column). mma_tc_acc takes each lane's two k of a step (2t, 2t + 1) from such
+// an accessor by one paired load (pair) instead of two scalar ones; kNeg negates. Any callable (a(r, k) /
+// b(k, c)) still serves where the operand is not so stored.
+template <typename E, bool kB, bool kNeg, class F>
+struct KRows {
+  F row;
+  __device__ __forceinline__ float operator()(int i, int j) const {
+    const float v = to_f(row(kB ? j : i)[kB ? i : j]);
+    return kNeg ? -v : v;
+  }
+  __device__ __forceinline__ float2 pair(int i, int k) const {
+    const E* x = row(i) + k;
+    float2 v;
+    if constexpr (sizeof(E) == 4) v = *reinterpret_cast<const float2*>(x);
+    else v = pair_f(x);
+    if constexpr (kNeg) v = make_float2(-v.x, -v.y);
+    return v;
+  }
+};
+template <typename E, bool kNeg = false, class F>
+__device__ __forceinline__ KRows<E, false, kNeg, F> a_rows(F row) { return {row}; }
+template <typename E, bool kNeg = false, class F>
+__device__ __forceinline__ KRows<E, true, kNeg, F> b_rows(F row) { return {row}; }
+// A row-major matrix (leading dim ld) as either operand: a(r, k) = x[r ld + k], b(k, c) = x[c ld + k].
+template <bool kNeg = false, typename E>
+__device__ __forceinline__ auto a_rows(const E* x, int ld) {
+  return a_rows<E, kNeg>([x, ld](int i) { return x + i * ld; });
+}
+template <bool kNeg = false, typename E>
+__device__ __forceinline__ auto b_rows(const E* x, int ld) {
+  return b_rows<E, kNeg>([x, ld](int i) { return x + i * ld; });
+}
+template <class F> struct IsKRows { static constexpr bool value = false; };
+template <typename E, bool kB, bool kNeg, class F> struct IsKRows<KRows<E, kB, kNeg, F>> {
+  static constexpr bool value = true;
+};
+
 // acc += A B over this thread's outputs (no synchronisation), k over the warp's part of `span`. kU: the k loop's
 // unroll (its trip count is the warp's span): the kernel's choice, by its register budget (kTcUnroll). kUW: the
 // warp index through a shuffle, which ptxas then knows warp-uniform (the tiling's bounds and offsets in uniform
-// registers: chunk_prep's spills go, super_bwd needs ~11 registers fewer); bwd_chunk spills more with it.
+// registers: chunk_prep's spills go, super_bwd needs ~11 registers fewer); bwd_chunk spills more with it. Within
+// each step of 8 the inner index runs permuted in both operands (lane t's fragment slots t and t + 4 take k = 2t
+// and 2t + 1: the same sum), so that a KRows operand gives a lane's two k by one load.
 template <int M, int N, int KD, bool kX3, int kU = 4, bool kUW = true, class FA, class FB>
 __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a, FB b, KSpan span = kFull) {
   using TT = TcTile<M, N>;
@@ -690,7 +731,14 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
 #pragma unroll
     for (int mi = 0; mi < MPW; ++mi) {
       const int m = 16 * (wm + WM * mi) + g;
-      const float av[4] = {a(m, k0 + t), a(m + 8, k0 + t), a(m, k0 + t + 4), a(m + 8, k0 + t + 4)};
+      float av[4];
+      if constexpr (IsKRows<FA>::value) {
+        const float2 x = a.pair(m, k0 + 2 * t), y = a.pair(m + 8, k0 + 2 * t);
+        av[0] = x.x, av[1] = y.x, av[2] = x.y, av[3] = y.y;
+      } else {
+        av[0] = a(m, k0 + 2 * t), av[1] = a(m + 8, k0 + 2 * t), av[2] = a(m, k0 + 2 * t + 1);
+        av[3] = a(m + 8, k0 + 2 * t + 1);
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (kX3) split_tf32(av[e], ah[mi][e], al[mi][e]);
@@ -700,7 +748,13 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
       const int n = 8 * (wn * NTW + nt) + g;
-      const float b0 = b(k0 + t, n), b1 = b(k0 + t + 4, n);
+      float b0, b1;
+      if constexpr (IsKRows<FB>::value) {
+        const float2 x = b.pair(n, k0 + 2 * t);
+        b0 = x.x, b1 = x.y;
+      } else {
+        b0 = b(k0 + 2 * t, n), b1 = b(k0 + 2 * t + 1, n);
+      }
       uint32_t bh0, bh1, bl0 = 0, bl1 = 0;
       if (kX3) {
         split_tf32(b0, bh0, bl0);

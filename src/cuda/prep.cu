@@ -117,8 +117,9 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
     stage_tile_async<K>(q_src, ch.b, h * p.group, Qx, LT, pos0, nq, q16);
     cp_async_commit();
   }
-  auto w_rk = [&](int r, int k) { return Wf[r * LW + k]; };   // W as the left operand
-  auto w_kc = [&](int k, int c) { return Wf[c * LW + k]; };   // W^T as the right operand
+  // W as the left operand (a(r, k) = W[r][k]) and W^T as the right one (b(k, c) = W[c][k]): paired loads (KRows).
+  const auto w_rk = a_rows(static_cast<const float*>(Wf), LW);
+  const auto w_kc = b_rows(static_cast<const float*>(Wf), LW);
   // A -> R1 (strict lower), split tf32.
   block_mm_tc<kChunk, kChunk, K, true, kU>(
       w_rk, w_kc, [&](int r, int c, float v) { R1[r * LC + c] = c < r ? bs[r] * v : 0.f; }, kFull.out_lower(-1));
@@ -141,7 +142,7 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
       [&](int r, int d, float v, float u) { *reinterpret_cast<uint32_t*>(W2h + r * LT + d) = Pack2<__half>::pack(v, u); },
       kFull.kmax_r(0));
   block_mm_tc<kChunk, kChunk, K, false, kU>(
-      w_rk, [&](int k, int c) { return to_f(Ks[c * LT + k]); },
+      w_rk, b_rows(static_cast<const T*>(Ks), LT),
       [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; }, kFull.out_lower(-1));
   // W's fp32 tile -> its fp16 tile in region 0 (every thread's reads before the barrier, its writes after): the
   // split products that need fp32 W are done, and the rest round it to tf32's 10-bit mantissa anyway. That frees
@@ -221,15 +222,15 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
     __syncthreads();
     PA_PROBE(7);
     // X = tril_incl(Q W^T) -> R2.
-    block_mm_tc<kChunk, kChunk, K, false, kU>([&](int r, int k) { return to_f(Qc[r * LT + k]); },
-                                              [&](int k, int c) { return __half2float(Wh[c * LT + k]); },
+    block_mm_tc<kChunk, kChunk, K, false, kU>(a_rows(static_cast<const T*>(Qc), LT),
+                                              b_rows(static_cast<const __half*>(Wh), LT),
                                               [&](int r, int c, float v) { R2[r * LC + c] = c <= r ? v : 0.f; },
                                               kFull.out_lower(0));
     __syncthreads();
     PA_PROBE(8);
     // q~ = Q - X W2. Plain attention's readers take q itself (load_qstate), so there the store is unread; skipping
     // the product for it cost chunk_prep<T, 128> 8 / 12 bytes of spills on the transport's path (ptxas, sm_90a).
-    block_mm_tc_pairs<kChunk, K, kChunk, false, kU>([&](int r, int s) { return R2[r * LC + s]; },
+    block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(a_rows(static_cast<const float*>(R2), LC),
         [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
         [&](int r, int d, float v, float u) {
           if (r < nq)
@@ -245,7 +246,7 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
       typename TA::Acc acc;
       TA::zero(acc);
       mma_tc_acc16<kChunk, kChunk, K>(acc, Qc, LT, Ks, LT, kFull.out_lower(0));
-      mma_tc_acc<kChunk, kChunk, kChunk, false, kU>(acc, [&](int r, int k) { return R2[r * LC + k]; },
+      mma_tc_acc<kChunk, kChunk, kChunk, false, kU>(acc, a_rows(static_cast<const float*>(R2), LC),
                                                     [&](int k, int c) { return -R1[k * LC + c]; },
                                                     kFull.out_lower(0).kmax_r(0).kmin_c(1));
       __syncthreads();
@@ -577,12 +578,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       const T* Kt = kt_of(set_of(i));
       const __half* Ws = w_of(set_of(i));
       const __half* W2s = Ws + kChunk * LT;
-      block_mm_tc<MR, kChunk, K, false, 4, false>([&](int r, int k) { return Rf[r * LM + k]; },
-                                                  [&](int k, int n) { return __half2float(W2s[n * LT + k]); },
+      block_mm_tc<MR, kChunk, K, false, 4, false>(a_rows(static_cast<const float*>(Rf), LM), b_rows(W2s, LT),
                                                   [&](int r, int n, float v) { Yf[r * LY + n] = v; });
       __syncthreads();
       block_mm_tc2<MR, K, kChunk, kChunk, false, 4, false>(
-          [&](int r, int k) { return -Yf[r * LY + k]; }, [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
+          a_rows<true>(static_cast<const float*>(Yf), LY), [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
           [&](int r, int k) { return dKs[k * LM + j0 + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
           [&](int r, int n, float v) { Rf[r * LM + n] += v; });
     }
