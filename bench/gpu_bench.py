@@ -153,6 +153,9 @@ def main():
                     help="GQA and PaTH-FoX rows only (no MHA rows, no accuracy or memory sections)")
     ap.add_argument("--profile", action="store_true", help="also print our per-kernel times (stderr) per shape")
     ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
+    ap.add_argument("--no-fla", action="store_true",
+                    help="write the table without the public Triton kernel (its columns nan) where fla-core cannot "
+                         "be imported; without this flag that is an error, since BENCH.md compares in the same run")
     args = ap.parse_args()
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -160,6 +163,10 @@ def main():
         from fla.ops.path_attn import parallel_path_attn
     except Exception as e:  # noqa: BLE001
         print("fla import failed:", e)
+        if not (args.no_fla or args.ours_only):
+            print("error: fla-core (flash-linear-attention's parallel_path_attn) is not importable; install its "
+                  "wheel (scripts/gpu_suite.sh takes it from .whl/) or pass --no-fla", file=sys.stderr)
+            sys.exit(2)
         parallel_path_attn = None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
