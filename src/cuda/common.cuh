@@ -705,9 +705,11 @@ template <bool kNeg = false, typename E>
 __device__ __forceinline__ auto b_rows(const E* x, int ld) {
   return b_rows<E, kNeg>([x, ld](int i) { return x + i * ld; });
 }
-template <class F> struct IsKRows { static constexpr bool value = false; };
-template <typename E, bool kB, bool kNeg, class F> struct IsKRows<KRows<E, kB, kNeg, F>> {
-  static constexpr bool value = true;
+// Whether F is a KRows accessor, and for which operand (kB): mma_tc_acc's paired loads read pair(i, k) as the
+// role says, so an accessor of the other role would be summed wrongly; the roles are checked at compile time.
+template <class F> struct IsKRows { static constexpr bool value = false, kB = false; };
+template <typename E, bool kB_, bool kNeg, class F> struct IsKRows<KRows<E, kB_, kNeg, F>> {
+  static constexpr bool value = true, kB = kB_;
 };
 
 // acc += A B over this thread's outputs (no synchronisation), k over the warp's part of `span`. kU: the k loop's
@@ -718,6 +720,8 @@ template <typename E, bool kB, bool kNeg, class F> struct IsKRows<KRows<E, kB, k
 // and 2t + 1: the same sum), so that a KRows operand gives a lane's two k by one load.
 template <int M, int N, int KD, bool kX3, int kU = 4, bool kUW = true, class FA, class FB>
 __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a, FB b, KSpan span = kFull) {
+  static_assert(!IsKRows<FA>::value || !IsKRows<FA>::kB, "mma_tc_acc: a b_rows accessor as the A operand");
+  static_assert(!IsKRows<FB>::value || IsKRows<FB>::kB, "mma_tc_acc: an a_rows accessor as the B operand");
   using TT = TcTile<M, N>;
   constexpr int MPW = TT::MPW, NTW = TT::NTW, WM = TT::WM;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
