@@ -12,7 +12,7 @@
 # machine with the GPU machine's Python version (`pip wheel . -Ccmake.define.PATHATTN_CUDA=ON
 # "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"`) and put in .whl/ saves that build;
 # remove it once the tree changes (a wheel found there is used as it is).
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--sm80 DIR] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--sm80 DIR] [--python-only] [--out DIR]
 #   --sm80 DIR: also the Ampere code path on this GPU: test_cuda of a build with compute_80 PTX only
 #   (-DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_80,code=compute_80", prebuilt in DIR or built there), which
 #   the driver compiles for the device at load, with the code that __CUDA_ARCH__ = 800 selects (no far kernels).
@@ -20,6 +20,7 @@
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
 #   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu: once; self-checking; prebuilt in DIR or built
 #   with nvcc).
+#   --python-only: only the Python package's GPU tests (no build directory, no C++ tests, no benchmark).
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
@@ -28,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
-SM80=""
+SM80="" PYONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
@@ -41,6 +42,7 @@ while [ $# -gt 0 ]; do
     --probe) PROBE=1 ;;
     --playgrounds) PLAY=1 ;;
     --sm80) SM80=$2; shift ;;
+    --python-only) PYONLY=1; BENCH=0 ;;
     --out) OUTDIR=$2; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -62,14 +64,14 @@ configure_build() {
   cmake -S . -B "$dir" -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DCMAKE_BUILD_TYPE=Release \
     -DPATHATTN_CUDA_GENCODE="$gencode" > /dev/null && cmake --build "$dir" -j "$(nproc)" --target "$@"
 }
-if [ ! -x "$BUILD/tests/cuda/test_cuda" ] && [ ! -x "$BUILD/test_cuda" ]; then
+if [ "$PYONLY" = 0 ] && [ ! -x "$BUILD/tests/cuda/test_cuda" ] && [ ! -x "$BUILD/test_cuda" ]; then
   configure_build "$BUILD" "-gencode=arch=compute_90a,code=sm_90a" test_cuda pathattn_capi || exit 1
 fi
 TEST=$BUILD/tests/cuda/test_cuda
 [ -x "$TEST" ] || TEST=$BUILD/test_cuda
 CAPI=$BUILD/libpathattn_capi.so
 
-if [ "$TESTS" = 1 ]; then
+if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
   echo "== GPU tests"
   "$TEST" --gtest_color=no 2>&1 | tee "$OUTDIR/test_cuda.log" | grep -E "^\[(acc|race|long)\]|OK \]|FAILED|PASSED|SKIPPED|Failure|error|Expected|Which is|actual" || true
   [ "${PIPESTATUS[0]}" = 0 ] || status=1

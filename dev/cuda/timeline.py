@@ -106,6 +106,14 @@ def main():
     busy += cur_e - cur_s
     print(f"device span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
           f"in {len(gaps)} gaps; {len(ev)} activities")
+    # Time with at least two activities running at once (a sliced call's two streams overlapping).
+    edges = sorted([(s, 1) for s, _, _ in ev] + [(e, -1) for _, e, _ in ev])
+    depth, prev, two = 0, edges[0][0], 0.0
+    for t, d in edges:
+        if depth >= 2:
+            two += t - prev
+        depth, prev = depth + d, t
+    print(f"two or more activities at once {two / 1e3:.2f} ms of the busy time")
     print("time by activity (ms, count):")
     counts = collections.Counter(name for _, _, name in ev)
     for name, t in sorted(by_name.items(), key=lambda x: -x[1]):
