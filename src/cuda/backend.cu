@@ -379,7 +379,6 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
     PA_CU(ws.zero(kp.dgcol, NT * HQ * sizeof(float)));
   }
-  PA_CU(ws.zero(kp.dP, size_t(kp.nchunks) * H * K * K * sizeof(float)));
   PA_TRY(alloc_super(ws, kp, t, pr));  // ks: in the shared piece below
   // Superblock-backward grid: one CTA per SM, each taking blocks of sb_rows rows of an item.
   int sb_grid = 0, sb_rows = int(K);
@@ -392,8 +391,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
     if (msv_early) PA_CU(ws.alloc(&kp.msv, size_t(kp.nsuper) * H * kp.sc * K * K));  // super_prep -> super_bwd
-    PA_CU(ws.zero(kp.dks, NT * H * K * sizeof(float)));
-    PA_CU(ws.zero(kp.dps, size_t(kp.nsuper) * H * K * K * sizeof(float)));
+    // dP, dks and dps are zeroed by the kernels that run first on their items (chunk_prep, super_prep's first
+    // launch), not by memsets: three fewer launches a call or slice.
   }
 
   // Persistent grids: scratch_slots snapshots of C x K (16-bit) per CTA.

@@ -264,12 +264,28 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
   PA_PROBE(9);
 }
 
+// Zeroes n floats at dst (16-byte aligned, n a multiple of 4) with the threads [0, nthreads) of a block.
+__device__ __forceinline__ void zero_f32(float* dst, int n, int tid, int nthreads) {
+  for (int i = 4 * tid; i < n; i += 4 * nthreads) *reinterpret_cast<float4*>(dst + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 template <typename T, int K>
 __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
   using S = PrepSmem<K>;
   extern __shared__ __align__(16) uint8_t prep_smem[];
   const PrepSet<T, K> set0(prep_smem);
   PA_PROBE(0);
+  if (p.dP != nullptr) {  // the backward: the item's dP block and rows of dks, summed into by later kernels
+    const int ci = int(blockIdx.x) / p.H, h = int(blockIdx.x) % p.H;
+    zero_f32(p.dP + (int64_t(ci) * p.H + h) * K * K, K * K, threadIdx.x, kPrepThreads);
+    if (p.dks != nullptr) {
+      const ChunkDesc ch = p.chunks[ci];
+      const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;
+      for (int i = threadIdx.x; i < chunk_rows(ch) * (K / 4); i += kPrepThreads)
+        *reinterpret_cast<float4*>(p.dks + ((tok0 + i / (K / 4)) * p.H + h) * K + 4 * (i % (K / 4))) =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
   stage_prep_set<T, K>(p, int(blockIdx.x), set0);
   __syncthreads();
   PA_PROBE(1);
@@ -326,6 +342,8 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
   const int c0 = p.super_first[sbi];
   const ChunkDesc ch = p.chunks[c0];
   const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;  // first token of the superblock
+  // The backward's first launch: this block's rows of dPS, summed into by later kernels.
+  if (kKs && p.dps != nullptr) zero_f32(p.dps + ((int64_t(sbi) * p.H + h) * K + j0) * K, RB * K, tid, kThreads);
   const T* ktp = static_cast<const T*>(p.kt);
   T* ksp = static_cast<T*>(p.ks);
   // Chunk c's three tiles into set `set` by cp.async, 16 bytes a copy (every chunk of a full superblock has
