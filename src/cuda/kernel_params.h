@@ -99,7 +99,7 @@ struct KernelParams {
                     //              side's atomics; deterministic with dgq: bwd_q's own superblocks' pairs)
   float* dgcolf;    // [NT, HQ]     deterministic with dgq: the far superblocks' part of dgcol (bwd_q; else null)
   float* colscr;    // [grid, 4, sc, 64] deterministic with dgq: bwd_q's per-warp column sums before their ordered add
-  float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product
+  float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product (zeroed by chunk_prep)
   float* E;         // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1 (the backward's chunk_prep writes it for
                     //              bwd_chunk; null in the forward)
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
@@ -108,8 +108,10 @@ struct KernelParams {
   __half* scratch;  // [grid, scratch_slots, C, K] per-CTA transported states (memory-linear in T)
   // Two-level backward (full superblocks; PaTH only).
   void* qhat;       // [NT, HQ, K]  queries moved to their superblock's start, dtype of q
-  float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs)
-  float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product
+  float* dks;       // [NT, H, K]   gradient w.r.t. the keys moved to their superblock's end (far pairs; zeroed by
+                    //              chunk_prep)
+  float* dps;       // [nsuper, H, K, K] gradient w.r.t. each superblock product (zeroed by super_prep's first
+                    //                   launch)
   __half* msv;      // [nsuper, H, sc, K, K] the running products M_c = P_last ... P_{c+1} of each full
                     // superblock, fp16: super_prep writes them in the backward (else null), super_bwd reads them
   bool kfar;        // bwd_k_far ran: dks and dvk hold the far superblocks' part of the key side
