@@ -372,6 +372,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, (NT + kDqtPadRows) * HQ * K));
+  // dP, and below dks and dps, are zeroed by the kernels that first run on their items (chunk_prep, super_prep's
+  // first launch), not by memsets: three fewer launches a call or slice.
   PA_CU(ws.alloc(&kp.dP, size_t(kp.nchunks) * H * K * K));
   PA_CU(ws.alloc(&kp.E, size_t(kp.nchunks) * H * kChunk * kChunk));  // chunk_prep -> bwd_chunk
   if (pr.gate) {
@@ -391,8 +393,6 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
     if (msv_early) PA_CU(ws.alloc(&kp.msv, size_t(kp.nsuper) * H * kp.sc * K * K));  // super_prep -> super_bwd
-    // dP, dks and dps are zeroed by the kernels that run first on their items (chunk_prep, super_prep's first
-    // launch), not by memsets: three fewer launches a call or slice.
   }
 
   // Persistent grids: scratch_slots snapshots of C x K (16-bit) per CTA.
