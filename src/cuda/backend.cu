@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -66,13 +67,33 @@ Tables build_tables(const core::Problem& pr, int sc) {
   return t;
 }
 
-// A host table copied into the workspace.
-template <class E>
-Status upload_table(Workspace& ws, const std::vector<E>& v, E** dev) {
-  PA_CU(ws.alloc(dev, v.size()));
-  PA_CU(ws.upload(*dev, v.data(), v.size() * sizeof(E)));
-  return Status::Ok();
-}
+// The host tables of one forward or backward (a call or a slice), copied into one workspace piece by one copy
+// (a copy a table made 132 small copies in a sliced forward + backward at K = 128, T = 8k, each a step in its
+// stream's order). `add` places a table (16-byte aligned, at least one element) and takes what to do with its
+// device address; `commit` allocates the piece, uploads it (Workspace::upload_tables: skipped where the same
+// stream's previous slice left the same bytes there) and hands out the addresses (null while measuring).
+class TablePack {
+ public:
+  template <class E, class Set>
+  void add(const std::vector<E>& v, Set set) {
+    const size_t off = (bytes_.size() + 15) / 16 * 16;
+    bytes_.resize(off + std::max<size_t>(v.size(), 1) * sizeof(E));
+    if (!v.empty()) std::memcpy(bytes_.data() + off, v.data(), v.size() * sizeof(E));
+    sets_.push_back([off, set](char* base) { set(base ? reinterpret_cast<E*>(base + off) : nullptr); });
+  }
+  Status commit(Workspace& ws) {
+    if (bytes_.empty()) return Status::Ok();
+    char* base = nullptr;
+    PA_CU(ws.alloc(&base, bytes_.size()));
+    PA_CU(ws.upload_tables(base, bytes_.data(), bytes_.size()));
+    for (const auto& set : sets_) set(base);
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  std::vector<std::function<void(char*)>> sets_;
+};
 
 void strides3(const TensorView& v, int64_t (&s)[3]) {
   for (int i = 0; i < 3; ++i) s[i] = v.ndim > i ? v.stride[i] : 0;
@@ -109,19 +130,15 @@ void fill_inputs(KernelParams& kp, const core::Problem& pr, const TensorView& q,
 }
 
 // Device copies of the tables plus the forward's workspace (also recomputed by the backward).
-Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr,
+// The tables go into `tables` (their addresses reach kp and *seq_first_dev at its commit).
+Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, TablePack& tables,
                     int32_t** seq_first_dev) {
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K;
-  ChunkDesc* chunks = nullptr;
-  int32_t *order = nullptr, *sf = nullptr;
-  PA_TRY(upload_table(ws, t.chunks, &chunks));
-  PA_TRY(upload_table(ws, t.order, &order));
-  PA_TRY(upload_table(ws, t.seq_first, &sf));
-  kp.chunks = chunks;
-  kp.order = order;
+  tables.add(t.chunks, [&kp](const ChunkDesc* d) { kp.chunks = d; });
+  tables.add(t.order, [&kp](const int32_t* d) { kp.order = d; });
+  tables.add(t.seq_first, [seq_first_dev](int32_t* d) { *seq_first_dev = d; });
   kp.nchunks = int(t.chunks.size());
   kp.max_chunks = t.max_chunks;
-  *seq_first_dev = sf;
   PA_CU(ws.alloc(&kp.w16, NT * H * K));
   PA_CU(ws.alloc(&kp.w2h, NT * H * K));
   __half* kt = nullptr;
@@ -138,12 +155,10 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
 
 // Two-level scan (PaTH only): the superblock table and the superblock products. The keys moved to their
 // superblock's end (kp.ks, [NT, H, K]) are the caller's to place (the backward shares their memory).
-Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr) {
+Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, TablePack& tables) {
   kp.nsuper = pr.path ? int(t.super_first.size()) : 0;
   if (kp.nsuper == 0) return Status::Ok();
-  int32_t* sf = nullptr;
-  PA_TRY(upload_table(ws, t.super_first, &sf));
-  kp.super_first = sf;
+  tables.add(t.super_first, [&kp](const int32_t* d) { kp.super_first = d; });
   PA_CU(ws.alloc(&kp.ps, size_t(kp.nsuper) * pr.H * pr.K * pr.K));
   return Status::Ok();
 }
@@ -284,8 +299,9 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   kp.lse = p.lse.present() ? static_cast<float*>(p.lse.data) : nullptr;
   if (kp.lse) strides3(p.lse, kp.lse_s);
   int32_t* seq_first = nullptr;
-  PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
-  PA_TRY(alloc_super(ws, kp, t, pr));
+  TablePack tables;
+  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first));
+  PA_TRY(alloc_super(ws, kp, t, pr, tables));
   if (kp.nsuper > 0) {
     __half* ks = nullptr;
     PA_CU(ws.alloc(&ks, size_t(pr.B) * pr.T * pr.H * pr.K));
@@ -302,7 +318,7 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
     if (pr.V == kChunk) kp.ofar = kp.aloc;
     else PA_CU(ws.alloc(&kp.ofar, NT * pr.HQ * pr.V));
     PA_CU(ws.alloc(&kp.lsefar, NT * pr.HQ));
-    PA_TRY(upload_table(ws, far_tiles, &far_dev));
+    tables.add(far_tiles, [&far_dev](int32_t* d) { far_dev = d; });
   }
   // fwd_scan's CTAs of two query chunks (at K = 128): each even chunk, in the scans' order.
   std::vector<int32_t> pairs;
@@ -310,8 +326,9 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   if (fwd_scan_chunks_per_cta(int(pr.K)) == 2) {
     for (const int32_t i : t.order)
       if (t.chunks[size_t(i)].c % 2 == 0) pairs.push_back(i);
-    PA_TRY(upload_table(ws, pairs, &pairs_dev));
+    tables.add(pairs, [&pairs_dev](int32_t* d) { pairs_dev = d; });
   }
+  PA_TRY(tables.commit(ws));
   if (ws.measuring()) return Status::Ok();
   Profile prof(s, "fwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, int(t.seq_first.size()), s));
@@ -368,7 +385,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   kp.dgq = pr.gate && std::getenv("PATHATTN_CUDA_DG_SPLIT") == nullptr;
 
   int32_t* seq_first = nullptr;
-  PA_TRY(alloc_common(ws, kp, t, pr, &seq_first));
+  TablePack tables;
+  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first));
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, (NT + kDqtPadRows) * HQ * K));
@@ -381,7 +399,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     PA_CU(ws.alloc(&kp.dgcol, NT * HQ));
     PA_CU(ws.zero(kp.dgcol, NT * HQ * sizeof(float)));
   }
-  PA_TRY(alloc_super(ws, kp, t, pr));  // ks: in the shared piece below
+  PA_TRY(alloc_super(ws, kp, t, pr, tables));  // ks: in the shared piece below
   // Superblock-backward grid: one CTA per SM, each taking blocks of sb_rows rows of an item.
   int sb_grid = 0, sb_rows = int(K);
   if (kp.nsuper > 0) {
@@ -453,16 +471,16 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   auto park_table = [&](const std::vector<int>& slots, int heads, int grid, int32_t** dev, int64_t* total) {
     const std::vector<int32_t> first = far_park_first(slots, heads, grid);
     *total = std::max<int64_t>(first.back(), 1);
-    return upload_table(ws, first, dev);
+    tables.add(first, [dev](int32_t* d) { *dev = d; });
   };
   if (!qfar_tiles.empty() && !kp.kfuse) {
     qfar_grid = far_grid(int64_t(qfar_tiles.size()) * int64_t(HQ));
     if (qfar_grid <= 0) return internal("cuda: no SM count for the query side's far kernel");
     std::vector<int> slots;  // a query tile parks its states at each earlier superblock
     for (const int32_t i : qfar_tiles) slots.push_back(t.chunks[size_t(i)].c / kp.sc);
-    PA_TRY(park_table(slots, int(HQ), qfar_grid, &qpark_dev, &qpark_slots));
+    park_table(slots, int(HQ), qfar_grid, &qpark_dev, &qpark_slots);
     scratch_elems = std::max(scratch_elems, bwd_q_far_park_elems(qpark_slots, int(K)));
-    PA_TRY(upload_table(ws, qfar_tiles, &qfar_dev));
+    tables.add(qfar_tiles, [&qfar_dev](int32_t* d) { qfar_dev = d; });
   }
   float2* lsd = nullptr;
   bool zero_qhat = false;
@@ -472,9 +490,9 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
     std::vector<int> slots;  // a key tile parks its states at each later superblock but the first
     for (const int32_t i : kfar_tiles) slots.push_back(key_tile_walk(t.chunks[size_t(i)], kp.sc) - 1);
-    PA_TRY(park_table(slots, int(H), kfar_grid, &kpark_dev, &kpark_slots));
+    park_table(slots, int(H), kfar_grid, &kpark_dev, &kpark_slots);
     scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kpark_slots, int(K)));
-    PA_TRY(upload_table(ws, kfar_tiles, &kfar_dev));
+    tables.add(kfar_tiles, [&kfar_dev](int32_t* d) { kfar_dev = d; });
     PA_CU(ws.alloc(&lsd, size_t(kp.nchunks) * HQ * kChunk));
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).
@@ -514,11 +532,12 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   kp.dvdiag = piece<float>(b2, dvdiag_off);
   if (kfar) kp.dvk = piece<float>(b2, dvk_off);  // the far part of dv, for bwd_k
   kp.scratch = piece<__half>(b2, scratch_off);
-  // Item counters: bwd_q_far, bwd_k_far, bwd_q's qhat launch, bwd_q's last launch, bwd_k.
+  // Item counters (zeroed by chunk_prep): bwd_q_far, bwd_k_far, bwd_q's qhat launch, bwd_q's last launch, bwd_k.
   int* counters = nullptr;
-  PA_CU(ws.alloc(&counters, 5));
+  PA_CU(ws.alloc(&counters, kBwdCounters));
+  kp.counters = counters;
+  PA_TRY(tables.commit(ws));
   if (ws.measuring()) return Status::Ok();
-  PA_CU(ws.zero(counters, 5 * sizeof(int)));
   if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");
@@ -727,13 +746,14 @@ Status run_planned(const P& p, const core::Problem& pr, Run run, const CallPlan&
   if (lanes > 1) PA_TRY(side.open());
   const cudaStream_t lane[2] = {s, lanes > 1 ? side.get() : s};
   Workspace blocks[2] = {Workspace(lane[0]), Workspace(lane[1])};
+  UploadMemo memos[2];  // each stream's last table upload (its slices' tables mostly repeat)
   uint8_t* base[2] = {};
   for (int l = 0; l < lanes; ++l) PA_CU(blocks[l].alloc(&base[l], block));
   for (size_t i = 0; i < slices.size(); ++i) {
     const int l = int(i % size_t(lanes));
     P sp = sub_params(p, pr, slices[i]);
     sp.stream = lane[l];
-    Workspace ws(lane[l], base[l], block);
+    Workspace ws(lane[l], base[l], block, &memos[l]);
     PA_TRY(run(sp, sub_problem(pr, slices[i]), ws));
   }
   return Status::Ok();

@@ -37,6 +37,9 @@ struct ChunkDesc {
   int32_t sfirst;  // index (in the superblock table) of the sequence's superblock 0
 };
 
+// Item counters of the backward's persistent kernels (KernelParams::counters).
+inline constexpr int kBwdCounters = 5;
+
 struct KernelParams {
   // Sizes.
   int B, T, H, HQ, group, K, V;
@@ -123,6 +126,7 @@ struct KernelParams {
   bool dgq;         // the gate's column sums of dS come from the query side (bwd_q, bwd_q_far: atomics into
                     // dgcol; deterministic mode: bwd_q alone, ordered adds), not bwd_k; required for the far
                     // kernels to take the gate
+  int* counters;    // backward: [kBwdCounters] the persistent kernels' next items (zeroed by chunk_prep; else null)
   int* tickets;     // deterministic mode: [nchunks + nsuper, H] adds done into each dP, then each dPS, then the
                     // query side's next item, then with dgq [nchunks + nsuper, HQ] into each key chunk's dgcol and
                     // each superblock's dgcolf (zeroed)

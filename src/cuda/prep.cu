@@ -277,6 +277,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   PA_PROBE(0);
   if (p.dP != nullptr) {  // the backward: the item's dP block and rows of dks, summed into by later kernels
     const int ci = int(blockIdx.x) / p.H, h = int(blockIdx.x) % p.H;
+    if (blockIdx.x == 0 && threadIdx.x < kBwdCounters && p.counters != nullptr) p.counters[threadIdx.x] = 0;
     zero_f32(p.dP + (int64_t(ci) * p.H + h) * K * K, K * K, threadIdx.x, kPrepThreads);
     if (p.dks != nullptr) {
       const ChunkDesc ch = p.chunks[ci];
