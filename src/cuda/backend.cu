@@ -38,13 +38,17 @@ struct Tables {
   int max_chunks = 0;
 };
 
-// Whether some sequence of pr is longer than four superblocks of kSuperChunks (2048 tokens): the backward's
-// superblock size (bwd_super_chunks) and a deterministic backward's stream count (run_sliced) turn on it.
-bool longer_than_four_superblocks(const core::Problem& pr) {
+// Whether some sequence of pr is longer than `tokens`.
+bool longer_than(const core::Problem& pr, int64_t tokens) {
   for (const core::Seq& s : pr.seqs)
-    if (s.len > int64_t(4) * kSuperChunks * kChunk) return true;
+    if (s.len > tokens) return true;
   return false;
 }
+
+// Whether some sequence of pr is longer than four superblocks of kSuperChunks (2048 tokens): the backward's
+// superblock size with the gate (bwd_super_chunks), its far kernels with the gate (bwd_run) and a deterministic
+// backward's stream count (plan_call) turn on it.
+bool longer_than_four_superblocks(const core::Problem& pr) { return longer_than(pr, int64_t(4) * kSuperChunks * kChunk); }
 
 // sc: chunks per superblock (KernelParams::sc).
 Tables build_tables(const core::Problem& pr, int sc) {
@@ -271,18 +275,21 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 namespace {
 
-// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than four superblocks
-// of kSuperChunks (2048 tokens), else kSuperChunks. Up to there the own superblock's chains of bwd_q and bwd_k
-// (serial in chunks) cost more than what the far kernels take over from them; beyond, the far kernels' extra
-// crossings cost more (dev/cuda/NOTES.md v3.33). The backward recomputes the forward's workspace, so its
-// superblocks need not be the forward's. PATHATTN_CUDA_BWD_SUPER_CHUNKS (4 or 8) overrides the choice, for
-// kernel work.
+// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than 4096 tokens (with
+// the gate 2048), else kSuperChunks. Up to there the own superblock's chains of bwd_q and bwd_k (serial in
+// chunks) cost more than what the far kernels take over from them; beyond, the far kernels' extra crossings
+// cost more. Measured (f+b ms, 8 against 4 at the default limit): K = 128 T = 4k 17.03 / 16.28, K = 64 T = 4k
+// 17.20 / 17.14, K = 128 T = 8k 22.42 / 22.96 (dev/cuda/NOTES.md v3.63; the 2048-token cut of v3.33 was measured
+// before the fused far kernel). With the gate the far kernels are two and slower, and 4 is unmeasured past 2048
+// tokens. The backward recomputes the forward's workspace, so its superblocks need not be the forward's.
+// PATHATTN_CUDA_BWD_SUPER_CHUNKS (4 or 8) overrides the choice, for kernel work and tests.
 int bwd_super_chunks(const core::Problem& pr) {
   if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
     const int v = std::atoi(e);
     if (v == kSuperChunks || v == kSuperChunksShort) return v;
   }
-  return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
+  if (pr.gate) return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
+  return longer_than(pr, int64_t(8) * kSuperChunks * kChunk) ? kSuperChunks : kSuperChunksShort;
 }
 
 // One forward over the whole of p / pr (a slice of the call): allocates its workspace from ws and, unless

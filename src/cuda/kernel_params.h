@@ -15,8 +15,8 @@ inline constexpr int kChunk = 64;
 // Chunks per superblock of the two-level scan (ALGORITHMS.md section 4): keys beyond the query's own
 // superblock are pre-moved to the end of their superblock and the query crosses a whole superblock with one
 // dense K x K product. The forward always uses kSuperChunks (fwd.cu and fwd_far.cu take it as a constant); the
-// backward's kernels read the call's p.sc: kSuperChunksShort where no sequence is longer than 2048 tokens
-// (bwd_super_chunks in backend.cu, dev/cuda/NOTES.md v3.33), else kSuperChunks.
+// backward's kernels read the call's p.sc: kSuperChunksShort where no sequence is longer than 4096 tokens (2048
+// with the gate; bwd_super_chunks in backend.cu, dev/cuda/NOTES.md v3.33, v3.63), else kSuperChunks.
 inline constexpr int kSuperChunks = 8;
 inline constexpr int kSuperChunksShort = 4;
 

@@ -411,7 +411,7 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
 // The backward's far parts (bwd_k_far alone or with bwd_q_far on Hopper, else the scans alone) against the
 // oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
 // or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
-// four superblocks crossed, beta = 2 and near 2, the gate (the far kernels take it where a sequence is longer
+// nine superblocks crossed (both superblock sizes), beta = 2 and near 2, the gate (the far kernels take it where a sequence is longer
 // than 2048 tokens; the far query kernel takes the gate's row and column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
@@ -429,6 +429,10 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s = mk(2500, 2, 2, 64, 64, false, BetaMode::near2, DType::bf16, 97);
     s.B = 1;
     check_case(s, true, {}, true);
+    // The same case on the superblocks of 512 tokens that the backward takes past 4096 tokens (256 here).
+    setenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS", "8", 1);
+    check_case(s, true, {}, true);
+    unsetenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS");
     s.gate = true;
     s.seed = 99;
     check_case(s, true, {}, true);
