@@ -275,20 +275,20 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 namespace {
 
-// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than 4096 tokens (with
-// the gate 2048), else kSuperChunks. Up to there the own superblock's chains of bwd_q and bwd_k (serial in
+// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than 4096 tokens (2048 with
+// the gate or in deterministic mode), else kSuperChunks. Up to there the own superblock's chains of bwd_q and bwd_k (serial in
 // chunks) cost more than what the far kernels take over from them; beyond, the far kernels' extra crossings
 // cost more. Measured (f+b ms, 8 against 4 at the default limit): K = 128 T = 4k 17.03 / 16.28, K = 64 T = 4k
 // 17.20 / 17.14, K = 128 T = 8k 22.42 / 22.96 (dev/cuda/NOTES.md v3.63; the 2048-token cut of v3.33 was measured
-// before the fused far kernel). With the gate the far kernels are two and slower, and 4 is unmeasured past 2048
-// tokens. The backward recomputes the forward's workspace, so its superblocks need not be the forward's.
+// before the fused far kernel). With the gate and in deterministic mode the far kernels are the two unfused
+// ones, and 4 is unmeasured there past 2048 tokens. The backward recomputes the forward's workspace, so its superblocks need not be the forward's.
 // PATHATTN_CUDA_BWD_SUPER_CHUNKS (4 or 8) overrides the choice, for kernel work and tests.
-int bwd_super_chunks(const core::Problem& pr) {
+int bwd_super_chunks(const core::Problem& pr, bool deterministic) {
   if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
     const int v = std::atoi(e);
     if (v == kSuperChunks || v == kSuperChunksShort) return v;
   }
-  if (pr.gate) return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
+  if (pr.gate || deterministic) return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
   return longer_than(pr, int64_t(8) * kSuperChunks * kChunk) ? kSuperChunks : kSuperChunksShort;
 }
 
@@ -359,7 +359,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   KernelParams kp{};
-  kp.sc = bwd_super_chunks(pr);
+  kp.sc = bwd_super_chunks(pr, p.deterministic);
   const Tables t = build_tables(pr, kp.sc);
   fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
   kp.o = const_cast<void*>(p.o.data);
