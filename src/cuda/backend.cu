@@ -48,7 +48,9 @@ bool longer_than(const core::Problem& pr, int64_t tokens) {
 // Whether some sequence of pr is longer than four superblocks of kSuperChunks (2048 tokens): the backward's
 // superblock size with the gate (bwd_super_chunks), its far kernels with the gate (bwd_run) and a deterministic
 // backward's stream count (plan_call) turn on it.
-bool longer_than_four_superblocks(const core::Problem& pr) { return longer_than(pr, int64_t(4) * kSuperChunks * kChunk); }
+bool longer_than_four_superblocks(const core::Problem& pr) {
+  return longer_than(pr, int64_t(4) * kSuperChunks * kChunk);
+}
 
 // sc: chunks per superblock (KernelParams::sc).
 Tables build_tables(const core::Problem& pr, int sc) {
@@ -74,8 +76,7 @@ Tables build_tables(const core::Problem& pr, int sc) {
 // The host tables of one forward or backward (a call or a slice), copied into one workspace piece by one copy
 // (a copy a table made 132 small copies in a sliced forward + backward at K = 128, T = 8k, each a step in its
 // stream's order). `add` places a table (16-byte aligned, at least one element) and takes what to do with its
-// device address; `commit` allocates the piece, uploads it (Workspace::upload_tables: skipped where the same
-// stream's previous slice left the same bytes there) and hands out the addresses (null while measuring).
+// device address; `commit` allocates the piece, uploads it and hands out the addresses (null while measuring).
 class TablePack {
  public:
   template <class E, class Set>
@@ -89,7 +90,7 @@ class TablePack {
     if (bytes_.empty()) return Status::Ok();
     char* base = nullptr;
     PA_CU(ws.alloc(&base, bytes_.size()));
-    PA_CU(ws.upload_tables(base, bytes_.data(), bytes_.size()));
+    PA_CU(ws.upload(base, bytes_.data(), bytes_.size()));
     for (const auto& set : sets_) set(base);
     return Status::Ok();
   }
@@ -275,13 +276,14 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 namespace {
 
-// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than 4096 tokens (2048 with
-// the gate or in deterministic mode), else kSuperChunks. Up to there the own superblock's chains of bwd_q and bwd_k (serial in
-// chunks) cost more than what the far kernels take over from them; beyond, the far kernels' extra crossings
-// cost more. Measured (f+b ms, 8 against 4 at the default limit): K = 128 T = 4k 17.03 / 16.28, K = 64 T = 4k
-// 17.20 / 17.14, K = 128 T = 8k 22.42 / 22.96 (dev/cuda/NOTES.md v3.63; the 2048-token cut of v3.33 was measured
-// before the fused far kernel). With the gate and in deterministic mode the far kernels are the two unfused
-// ones, and 4 is unmeasured there past 2048 tokens. The backward recomputes the forward's workspace, so its superblocks need not be the forward's.
+// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than 4096 tokens (2048
+// with the gate or in deterministic mode), else kSuperChunks. Up to there the own superblock's chains of bwd_q
+// and bwd_k (serial in chunks) cost more than what the far kernels take over from them; beyond, the far
+// kernels' extra crossings cost more. Measured (f+b ms, 8 against 4 at the default limit): K = 128 T = 4k
+// 17.03 / 16.28, K = 64 T = 4k 17.20 / 17.14, K = 128 T = 8k 22.42 / 22.96 (dev/cuda/NOTES.md v3.63; the
+// 2048-token cut of v3.33 was measured before the fused far kernel). With the gate and in deterministic mode
+// the far kernels are the two unfused ones, and 4 is unmeasured there past 2048 tokens. The backward
+// recomputes the forward's workspace, so its superblocks need not be the forward's.
 // PATHATTN_CUDA_BWD_SUPER_CHUNKS (4 or 8) overrides the choice, for kernel work and tests.
 int bwd_super_chunks(const core::Problem& pr, bool deterministic) {
   if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
@@ -753,14 +755,13 @@ Status run_planned(const P& p, const core::Problem& pr, Run run, const CallPlan&
   if (lanes > 1) PA_TRY(side.open());
   const cudaStream_t lane[2] = {s, lanes > 1 ? side.get() : s};
   Workspace blocks[2] = {Workspace(lane[0]), Workspace(lane[1])};
-  UploadMemo memos[2];  // each stream's last table upload (its slices' tables mostly repeat)
   uint8_t* base[2] = {};
   for (int l = 0; l < lanes; ++l) PA_CU(blocks[l].alloc(&base[l], block));
   for (size_t i = 0; i < slices.size(); ++i) {
     const int l = int(i % size_t(lanes));
     P sp = sub_params(p, pr, slices[i]);
     sp.stream = lane[l];
-    Workspace ws(lane[l], base[l], block, &memos[l]);
+    Workspace ws(lane[l], base[l], block);
     PA_TRY(run(sp, sub_problem(pr, slices[i]), ws));
   }
   return Status::Ok();

@@ -29,20 +29,11 @@ inline Status internal(const std::string& m) { return Status(Status::Code::inter
 // bytes its allocations would take and hands out null pointers (copies and fills skipped), so a call's
 // allocation sequence can be run to size it; an arena workspace hands out consecutive pieces of a block the
 // caller owns (the same rounding as measuring, so a block of the measured size always suffices).
-// The last table upload into an arena (its offset and bytes), kept across the slices that one stream runs in
-// the same arena: a slice that uploads the same bytes to the same offset as the slice before it skips the
-// copy. Sound because a table piece is never written by a kernel, and the slice before this one (the only one
-// in between on that stream) had its own table piece at exactly that offset.
-struct UploadMemo {
-  size_t off = SIZE_MAX;
-  std::vector<uint8_t> bytes;
-};
-
 class Workspace {
  public:
   explicit Workspace(cudaStream_t s, bool measure = false) : s_(s), measure_(measure) {}
-  Workspace(cudaStream_t s, void* arena, size_t arena_bytes, UploadMemo* memo = nullptr)
-      : s_(s), measure_(false), arena_(static_cast<char*>(arena)), arena_bytes_(arena_bytes), memo_(memo) {}
+  Workspace(cudaStream_t s, void* arena, size_t arena_bytes)
+      : s_(s), measure_(false), arena_(static_cast<char*>(arena)), arena_bytes_(arena_bytes) {}
   ~Workspace() {
     for (void* p : ptrs_) cudaFreeAsync(p, s_);
   }
@@ -67,21 +58,8 @@ class Workspace {
     return cudaSuccess;
   }
   cudaError_t zero(void* p, size_t bytes) { return measure_ ? cudaSuccess : cudaMemsetAsync(p, 0, bytes, s_); }
-  // Copies read-only tables (nothing on the device may write dst afterwards: see UploadMemo).
-  cudaError_t upload_tables(void* dst, const void* src, size_t bytes) {
-    if (measure_) return cudaSuccess;
-    if (arena_ && memo_) {
-      const size_t off = size_t(static_cast<char*>(dst) - arena_);
-      const uint8_t* b = static_cast<const uint8_t*>(src);
-      if (memo_->off == off && memo_->bytes.size() == bytes && std::equal(b, b + bytes, memo_->bytes.begin()))
-        return cudaSuccess;
-      memo_->off = SIZE_MAX;  // until the copy below is issued
-      memo_->bytes.assign(b, b + bytes);
-      const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s_);
-      if (e == cudaSuccess) memo_->off = off;
-      return e;
-    }
-    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s_);
+  cudaError_t upload(void* dst, const void* src, size_t bytes) {
+    return measure_ ? cudaSuccess : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s_);
   }
   bool measuring() const { return measure_; }
   static size_t rounded(size_t bytes) { return (bytes + kRound - 1) / kRound * kRound; }  // a piece's extent
@@ -93,7 +71,6 @@ class Workspace {
   bool measure_;
   char* arena_ = nullptr;
   size_t arena_bytes_ = 0, bytes_ = 0;
-  UploadMemo* memo_ = nullptr;
   std::vector<void*> ptrs_;
 };
 

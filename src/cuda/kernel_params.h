@@ -16,7 +16,8 @@ inline constexpr int kChunk = 64;
 // superblock are pre-moved to the end of their superblock and the query crosses a whole superblock with one
 // dense K x K product. The forward always uses kSuperChunks (fwd.cu and fwd_far.cu take it as a constant); the
 // backward's kernels read the call's p.sc: kSuperChunksShort where no sequence is longer than 4096 tokens (2048
-// with the gate or in deterministic mode; bwd_super_chunks in backend.cu, dev/cuda/NOTES.md v3.33, v3.63), else kSuperChunks.
+// with the gate or in deterministic mode; bwd_super_chunks in backend.cu, dev/cuda/NOTES.md v3.33, v3.63), else
+// kSuperChunks.
 inline constexpr int kSuperChunks = 8;
 inline constexpr int kSuperChunksShort = 4;
 
