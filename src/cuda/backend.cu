@@ -276,21 +276,26 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 namespace {
 
-// The backward's chunks per superblock: kSuperChunksShort where no sequence is longer than 4096 tokens (2048
-// with the gate or in deterministic mode), else kSuperChunks. Up to there the own superblock's chains of bwd_q
-// and bwd_k (serial in chunks) cost more than what the far kernels take over from them; beyond, the far
-// kernels' extra crossings cost more. Measured (f+b ms, 8 against 4 at the default limit): K = 128 T = 4k
-// 17.03 / 16.28, K = 64 T = 4k 17.20 / 17.14, K = 128 T = 8k 22.42 / 22.96 (dev/cuda/NOTES.md v3.63; the
-// 2048-token cut of v3.33 was measured before the fused far kernel). With the gate and in deterministic mode
-// the far kernels are the two unfused ones, and 4 is unmeasured there past 2048 tokens. The backward
-// recomputes the forward's workspace, so its superblocks need not be the forward's.
-// PATHATTN_CUDA_BWD_SUPER_CHUNKS (4 or 8) overrides the choice, for kernel work and tests.
+// The backward's chunks per superblock, by the longest sequence (without the gate, outside deterministic mode):
+// up to 2048 tokens kSuperChunksShort; up to 8192 at K = 128 kSuperChunksMid; at K = 64 kSuperChunksShort up
+// to 4096 and kSuperChunks beyond; kSuperChunks past 8192. Short superblocks shorten the own superblock's
+// chains of bwd_q and bwd_k (serial in chunks) and cost the far kernels crossings, which grow as (T /
+// superblock)^2. Measured (f+b ms at the default limit, palindromic A/Bs; dev/cuda/NOTES.md v3.63, v3.64):
+// K = 128 T = 4k 8 / 4 / 6: 17.03 / 16.28 / 16.24 (4 against 6 in one run 16.38 / 16.24); T = 8k 8 / 6:
+// 22.40 / 21.89, 16k 33.40 / 34.90; K = 64 T = 4k 4 / 6 17.11 / 17.13, 8k 8 / 6 23.52 / 23.85. With the gate
+// and in deterministic mode the far kernels are the two unfused ones, measured with 4 up to 2048 tokens only:
+// 4 there, else 8. The backward recomputes the forward's workspace, so its superblocks need not be the
+// forward's. PATHATTN_CUDA_BWD_SUPER_CHUNKS (4, 6 or 8) overrides the choice, for kernel work and tests (the far
+// kernels' key tiles are chunk pairs, so the size must be even).
 int bwd_super_chunks(const core::Problem& pr, bool deterministic) {
   if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
     const int v = std::atoi(e);
-    if (v == kSuperChunks || v == kSuperChunksShort) return v;
+    if (v == 4 || v == 6 || v == 8) return v;
   }
   if (pr.gate || deterministic) return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
+  if (!longer_than_four_superblocks(pr)) return kSuperChunksShort;
+  if (longer_than(pr, int64_t(16) * kSuperChunks * kChunk)) return kSuperChunks;
+  if (pr.K == 128) return kSuperChunksMid;
   return longer_than(pr, int64_t(8) * kSuperChunks * kChunk) ? kSuperChunks : kSuperChunksShort;
 }
 

@@ -15,11 +15,12 @@ inline constexpr int kChunk = 64;
 // Chunks per superblock of the two-level scan (ALGORITHMS.md section 4): keys beyond the query's own
 // superblock are pre-moved to the end of their superblock and the query crosses a whole superblock with one
 // dense K x K product. The forward always uses kSuperChunks (fwd.cu and fwd_far.cu take it as a constant); the
-// backward's kernels read the call's p.sc: kSuperChunksShort where no sequence is longer than 4096 tokens (2048
-// with the gate or in deterministic mode; bwd_super_chunks in backend.cu, dev/cuda/NOTES.md v3.33, v3.63), else
-// kSuperChunks.
+// backward's kernels read the call's p.sc, any even number of chunks: kSuperChunksShort, kSuperChunksMid or
+// kSuperChunks by the longest sequence, K, the gate and the deterministic mode (bwd_super_chunks in backend.cu;
+// dev/cuda/NOTES.md v3.33, v3.63, v3.64).
 inline constexpr int kSuperChunks = 8;
 inline constexpr int kSuperChunksShort = 4;
+inline constexpr int kSuperChunksMid = 6;
 
 // Slots of C x K snapshots in each backward CTA's scratch. With the transport, a work item parks at most
 // sc states within its own superblock (slots 0 .. sc - 1, by distance in chunks) and one per other superblock
@@ -47,8 +48,8 @@ struct KernelParams {
   int nchunks;      // entries of the chunk table
   int max_chunks;   // most chunks of any one sequence
   int scratch_slots;  // C x K snapshots per CTA in `scratch` (scratch_slot_count)
-  int sc;             // chunks per superblock: kSuperChunks in the forward, kSuperChunks or kSuperChunksShort in
-                      // the backward
+  int sc;             // chunks per superblock: kSuperChunks in the forward, bwd_super_chunks's choice in the
+                      // backward
   bool path, gate;
   float scale, gate_scale;
 

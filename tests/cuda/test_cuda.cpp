@@ -411,7 +411,7 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
 // The backward's far parts (bwd_k_far alone or with bwd_q_far on Hopper, else the scans alone) against the
 // oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
 // or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
-// nine superblocks crossed (both superblock sizes), beta = 2 and near 2, the gate (the far kernels take it where
+// nine superblocks crossed (each superblock size: 256, 384 and 512 tokens), beta = 2 and near 2, the gate (the far kernels take it where
 // a sequence is longer than 2048 tokens; the far query kernel takes the gate's row and column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
@@ -435,6 +435,10 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     unsetenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS");
     s.gate = true;
     s.seed = 99;
+    check_case(s, true, {}, true);
+    // K = 128 past 2048 tokens without the gate: superblocks of 6 chunks (384 tokens, six crossed), GQA.
+    s = mk(2500, 4, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 100);
+    s.B = 1;
     check_case(s, true, {}, true);
   });
 }
