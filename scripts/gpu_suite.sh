@@ -12,7 +12,7 @@
 # machine with the GPU machine's Python version (`pip wheel . -Ccmake.define.PATHATTN_CUDA=ON
 # "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"`) and put in .whl/ saves that build;
 # remove it once the tree changes (a wheel found there is used as it is).
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--probe] [--playgrounds] [--sm80 DIR] [--python-only] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--no-python] [--probe] [--playgrounds] [--sm80 DIR] [--python-only] [--out DIR]
 #   --sm80 DIR: also the Ampere code path on this GPU: test_cuda of a build with compute_80 PTX only
 #   (-DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_80,code=compute_80", prebuilt in DIR or built there), which
 #   the driver compiles for the device at load, with the code that __CUDA_ARCH__ = 800 selects (no far kernels).
@@ -20,7 +20,9 @@
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
 #   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu: once; self-checking; prebuilt in DIR or built
 #   with nvcc).
-#   --python-only: only the Python package's GPU tests (no build directory, no C++ tests, no benchmark).
+#   --python-only: only the Python package's GPU tests (no build directory, no C++ tests, no benchmark);
+#   --no-python: the C++ tests without the Python package's (a machine that limits one command's time can run
+#   the two parts as two commands: the wheel's build and its tests take minutes).
 #   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
 #   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
@@ -29,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
-SM80="" PYONLY=0
+SM80="" PYONLY=0 PY=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
@@ -43,6 +45,7 @@ while [ $# -gt 0 ]; do
     --playgrounds) PLAY=1 ;;
     --sm80) SM80=$2; shift ;;
     --python-only) PYONLY=1; BENCH=0 ;;
+    --no-python) PY=0 ;;
     --out) OUTDIR=$2; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -165,7 +168,7 @@ fi
 WHEELS=${WHEELS:-.whl}
 PYTAG=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 WHEEL=$(ls "$WHEELS"/pathattn-*-"$PYTAG"-*.whl 2>/dev/null | head -1)
-if [ "$TESTS" = 1 ] && [ -z "$WHEEL" ] && ls "$WHEELS"/build/scikit_build_core-*.whl > /dev/null 2>&1; then
+if [ "$TESTS" = 1 ] && [ "$PY" = 1 ] && [ -z "$WHEEL" ] && ls "$WHEELS"/build/scikit_build_core-*.whl > /dev/null 2>&1; then
   echo "== building the pathattn wheel ($PYTAG, CUDA sm_90a)"
   # cmake / ninja wheels there too, if the machine lacks them (their scripts land in the target's bin/).
   python3 -m pip install -q --upgrade --no-index --find-links "$WHEELS/build" --target /tmp/pathattn_buildenv \
@@ -176,7 +179,7 @@ if [ "$TESTS" = 1 ] && [ -z "$WHEEL" ] && ls "$WHEELS"/build/scikit_build_core-*
     || { echo "wheel build failed: $OUTDIR/wheel_build.log"; status=1; }
   WHEEL=$(ls "$OUTDIR"/wheel/pathattn-*.whl 2>/dev/null | head -1)
 fi
-if [ "$TESTS" = 1 ] && [ -n "$WHEEL" ]; then
+if [ "$TESTS" = 1 ] && [ "$PY" = 1 ] && [ -n "$WHEEL" ]; then
   echo "== Python GPU tests ($(basename "$WHEEL"))"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_py \
     "$WHEEL" $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl 2>/dev/null) || status=1
