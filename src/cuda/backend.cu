@@ -277,7 +277,7 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 namespace {
 
 // The backward's chunks per superblock, by the longest sequence (without the gate, outside deterministic mode):
-// up to 2048 tokens kSuperChunksShort; up to 8192 at K = 128 kSuperChunksMid; at K = 64 kSuperChunksShort up
+// up to 2048 tokens kSuperChunksShort; up to 8192 at K = V = 128 kSuperChunksMid; else kSuperChunksShort up
 // to 4096 and kSuperChunks beyond; kSuperChunks past 8192. Short superblocks shorten the own superblock's
 // chains of bwd_q and bwd_k (serial in chunks) and cost the far kernels crossings, which grow as (T /
 // superblock)^2. Measured (f+b ms at the default limit, palindromic A/Bs; dev/cuda/NOTES.md v3.63, v3.64):
@@ -295,7 +295,7 @@ int bwd_super_chunks(const core::Problem& pr, bool deterministic) {
   if (pr.gate || deterministic) return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
   if (!longer_than_four_superblocks(pr)) return kSuperChunksShort;
   if (longer_than(pr, int64_t(16) * kSuperChunks * kChunk)) return kSuperChunks;
-  if (pr.K == 128) return kSuperChunksMid;
+  if (pr.K == 128 && pr.V == 128) return kSuperChunksMid;  // measured with the fused far kernel (K == V)
   return longer_than(pr, int64_t(8) * kSuperChunks * kChunk) ? kSuperChunks : kSuperChunksShort;
 }
 
