@@ -38,18 +38,18 @@ struct Tables {
   int max_chunks = 0;
 };
 
-// Whether some sequence of pr is longer than `tokens`.
-bool longer_than(const core::Problem& pr, int64_t tokens) {
-  for (const core::Seq& s : pr.seqs)
-    if (s.len > tokens) return true;
-  return false;
+// The longest sequence of pr, in tokens.
+int64_t longest_seq(const core::Problem& pr) {
+  int64_t n = 0;
+  for (const core::Seq& s : pr.seqs) n = std::max(n, s.len);
+  return n;
 }
 
 // Whether some sequence of pr is longer than four superblocks of kSuperChunks (2048 tokens): the backward's
 // superblock size with the gate (bwd_super_chunks), its far kernels with the gate (bwd_run) and a deterministic
 // backward's stream count (plan_call) turn on it.
 bool longer_than_four_superblocks(const core::Problem& pr) {
-  return longer_than(pr, int64_t(4) * kSuperChunks * kChunk);
+  return longest_seq(pr) > int64_t(4) * kSuperChunks * kChunk;
 }
 
 // sc: chunks per superblock (KernelParams::sc).
@@ -290,13 +290,13 @@ namespace {
 int bwd_super_chunks(const core::Problem& pr, bool deterministic) {
   if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
     const int v = std::atoi(e);
-    if (v == 4 || v == 6 || v == 8) return v;
+    if (v == kSuperChunksShort || v == kSuperChunksMid || v == kSuperChunks) return v;
   }
-  if (pr.gate || deterministic) return longer_than_four_superblocks(pr) ? kSuperChunks : kSuperChunksShort;
-  if (!longer_than_four_superblocks(pr)) return kSuperChunksShort;
-  if (longer_than(pr, int64_t(16) * kSuperChunks * kChunk)) return kSuperChunks;
+  const int64_t n = longest_seq(pr);
+  if (n <= 2048) return kSuperChunksShort;
+  if (pr.gate || deterministic || n > 8192) return kSuperChunks;
   if (pr.K == 128 && pr.V == 128) return kSuperChunksMid;  // measured with the fused far kernel (K == V)
-  return longer_than(pr, int64_t(8) * kSuperChunks * kChunk) ? kSuperChunks : kSuperChunksShort;
+  return n > 4096 ? kSuperChunks : kSuperChunksShort;
 }
 
 // One forward over the whole of p / pr (a slice of the call): allocates its workspace from ws and, unless

@@ -411,8 +411,9 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
 // The backward's far parts (bwd_k_far alone or with bwd_q_far on Hopper, else the scans alone) against the
 // oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
 // or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
-// nine superblocks crossed (each superblock size: 256, 384 and 512 tokens), beta = 2 and near 2, the gate (the far kernels take it where
-// a sequence is longer than 2048 tokens; the far query kernel takes the gate's row and column sums of dS).
+// nine superblocks crossed (each superblock size: 256, 384 and 512 tokens), beta = 2 and near 2, the gate (the
+// far kernels take it where a sequence is longer than 2048 tokens; the far query kernel takes the gate's row and
+// column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
   on_the_backward_far_paths([] {
