@@ -557,7 +557,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
   PA_CU(launch_chunk_prep(kp, dt, s));
-  PA_CU(launch_bwd_delta(kp, dt, s));
+  PA_CU(launch_bwd_delta(kp, lsd, dt, s));
   prof.mark("gate+chunk_prep+delta");
   PA_CU(launch_super_prep(kp, dt, s));
   prof.mark("super_prep");

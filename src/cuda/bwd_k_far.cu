@@ -16,7 +16,7 @@
 // dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a tile, as bwd_q_far stages gbar);
 // it then runs before bwd_q's last launch, which adds its diagonal dv to this one's (dev/cuda/NOTES.md v3.39).
 // Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
-// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, built below). Every output row
+// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from bwd_delta in prep.cu). Every output row
 // has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
 // keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
 #include <algorithm>
@@ -513,21 +513,6 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #endif
 }
 
-// lsd[hq][ci][r] = ((lse - gate_scale G) * log2(e), delta) of query row r of chunk ci, head hq (G: the gate's
-// cumsum, without the gate 0); (+inf, 0) past the sequence, so that P = 0 there. One CTA of 64 threads per (chunk,
-// query head).
-__global__ void build_lsd_kernel(const KernelParams p, float2* lsd) {
-  const int ci = int(blockIdx.x / p.HQ), hq = int(blockIdx.x % p.HQ), r = threadIdx.x;
-  const ChunkDesc ch = p.chunks[ci];
-  const int64_t pos = ch.t0 + int64_t(ch.c) * kChunk + r, tok = ch.b * p.T + pos;
-  float2 v = make_float2(INFINITY, 0.f);
-  if (ch.c * kChunk + r < ch.len)
-    v = make_float2((p.lse[ch.b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] -
-                     (p.gate ? p.gate_scale * p.G[tok * p.HQ + hq] : 0.f)) * 1.4426950408889634f,
-                    p.delta[tok * p.HQ + hq]);
-  lsd[(int64_t(hq) * p.nchunks + ci) * kChunk + r] = v;
-}
-
 template <typename T, int K>
 cudaError_t far_t(const KernelParams& p, const KfMaps& mp, int nitems, int grid, cudaStream_t s) {
   if (p.gate)
@@ -565,9 +550,6 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
                              const int32_t* park_first, int64_t park_slots, int grid, int* next, int dtype,
                              cudaStream_t s) {
   if (ntiles == 0) return cudaSuccess;
-  build_lsd_kernel<<<unsigned(int64_t(p.nchunks) * p.HQ), kChunk, 0, s>>>(p, lsd);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
   const CUtensorMapDataType dt = dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   KfMaps mp{};
   mp.tiles = tiles;

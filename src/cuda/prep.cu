@@ -660,22 +660,55 @@ __global__ void bwd_dg_kernel(KernelParams p, const int32_t* seq_first, int nseq
   }
 }
 
-// One warp per (token, query head): delta = sum_v dO * O (fp32).
-template <typename T>
-__global__ void bwd_delta_kernel(KernelParams p) {
-  const int64_t wid = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  const int64_t nrows = int64_t(p.B) * p.T * p.HQ;
-  if (wid >= nrows) return;
-  const int hq = int(wid % p.HQ);
-  const int64_t tok = wid / p.HQ, b = tok / p.T, t = tok % p.T;
-  const T* o = static_cast<const T*>(p.o) + b * p.o_s[0] + t * p.o_s[1] + hq * p.o_s[2];
-  const T* d = static_cast<const T*>(p.dout) + b * p.do_s[0] + t * p.do_s[1] + hq * p.do_s[2];
+// delta = sum_v dO * O (fp32) per (token, query head), over the rows of the chunk table (chunk ci's row r, query
+// head hq); where lsd is given (the backward's far key kernel runs), also lsd[hq][ci][r] = ((lse - gate_scale G)
+// log2(e), delta), and (+inf, 0) past the sequence, so that P = 0 there. kVec: V / 8 lanes
+// a row, one 16-byte load of each tensor a lane (8 elements), the row's lanes reduced by shuffles (two or four
+// rows a warp, every load independent); else one warp a row with 2-byte loads (rows or strides not 16-byte
+// aligned).
+template <typename T, bool kVec>
+__global__ void bwd_delta_kernel(KernelParams p, float2* lsd) {
+  const int64_t nrows = int64_t(p.nchunks) * p.HQ * kChunk;
+  const int lpr = kVec ? p.V / 8 : 32;  // lanes a row: 8 or 16 with kVec (V in {64, 128})
+  const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, row = gid / lpr;
+  const int part = int(gid % lpr);
+  // row = (ci 64 + r) HQ + hq: a chunk row's heads side by side, as o, dO and delta hold them.
+  const int hq = int(row % p.HQ), cr = int(row / p.HQ), r = cr % kChunk, ci = cr / kChunk;
   float s = 0.f;
-  for (int e = lane; e < p.V; e += 32) s += to_f(o[e]) * to_f(d[e]);
+  bool in = false;
+  int64_t tok = 0, pos = 0, b = 0;
+  if (row < nrows) {
+    const ChunkDesc ch = p.chunks[ci];
+    in = ch.c * kChunk + r < ch.len;
+    b = ch.b;
+    pos = ch.t0 + int64_t(ch.c) * kChunk + r;
+    tok = b * p.T + pos;
+  }
+  if (in) {
+    const T* o = static_cast<const T*>(p.o) + b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
+    const T* d = static_cast<const T*>(p.dout) + b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2];
+    if constexpr (kVec) {
+      const uint4 ov = __ldg(reinterpret_cast<const uint4*>(o) + part);
+      const uint4 dv = __ldg(reinterpret_cast<const uint4*>(d) + part);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (lane == 0) p.delta[wid] = s;
+      for (int e = 0; e < 8; ++e) s += to_f(oe[e]) * to_f(de[e]);
+    } else {
+      for (int e = part; e < p.V; e += 32) s += to_f(o[e]) * to_f(d[e]);
+    }
+  }
+  for (int off = lpr / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (part != 0 || row >= nrows) return;
+  if (in) p.delta[tok * p.HQ + hq] = s;
+  if (lsd != nullptr) {
+    float2 v = make_float2(INFINITY, 0.f);
+    if (in)
+      v = make_float2((p.lse[b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] -
+                       (p.gate ? p.gate_scale * p.G[tok * p.HQ + hq] : 0.f)) * 1.4426950408889634f,
+                      s);
+    lsd[(int64_t(hq) * p.nchunks + ci) * kChunk + r] = v;
+  }
 }
 
 }  // namespace
@@ -794,12 +827,21 @@ cudaError_t launch_bwd_dg(const KernelParams& p, const int32_t* seq_first, int n
   return cudaGetLastError();
 }
 
-cudaError_t launch_bwd_delta(const KernelParams& p, int dtype, cudaStream_t s) {
-  const int64_t rows = int64_t(p.B) * p.T * p.HQ;
+cudaError_t launch_bwd_delta(const KernelParams& p, float2* lsd, int dtype, cudaStream_t s) {
+  const int64_t rows = int64_t(p.nchunks) * p.HQ * kChunk;
+  if (rows == 0) return cudaSuccess;
+  bool vec = (p.V == 64 || p.V == 128) && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(p.dout) % 16 == 0;
+  for (int d = 0; d < 3; ++d) vec = vec && p.o_s[d] % 8 == 0 && p.do_s[d] % 8 == 0;
   const int threads = 256;
-  const int64_t blocks = (rows * 32 + threads - 1) / threads;
-  if (dtype == 0) bwd_delta_kernel<__half><<<unsigned(blocks), threads, 0, s>>>(p);
-  else bwd_delta_kernel<__nv_bfloat16><<<unsigned(blocks), threads, 0, s>>>(p);
+  const int64_t blocks = (rows * (vec ? p.V / 8 : 32) + threads - 1) / threads;
+  if (dtype == 0) {
+    if (vec) bwd_delta_kernel<__half, true><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+    else bwd_delta_kernel<__half, false><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+  } else {
+    if (vec) bwd_delta_kernel<__nv_bfloat16, true><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+    else bwd_delta_kernel<__nv_bfloat16, false><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+  }
   return cudaGetLastError();
 }
 
