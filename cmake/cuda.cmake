@@ -22,6 +22,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/bwd_q_far.cu
   src/cuda/bwd_k.cu
   src/cuda/bwd_k_far.cu
+  src/cuda/far_glue.cu
   src/cuda/bwd_chunk.cu
   src/cuda/decode.cu
 )

@@ -367,6 +367,13 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   const int dt = dtype_code(p.q.dtype);
   KernelParams kp{};
   kp.sc = bwd_super_chunks(pr, p.deterministic);
+  // The two-size backward (far_glue.cu): the chains on superblocks of kSuperChunksShort chunks, the fused far
+  // kernel on double blocks and on each even superblock's neighbour. PATHATTN_CUDA_BWD_TWO_SIZE=1 asks for it
+  // (K = V = 128, no gate, not deterministic; it runs where the fused far kernel and the glue do).
+  const char* two_env = std::getenv("PATHATTN_CUDA_BWD_TWO_SIZE");
+  bool two_size = two_env != nullptr && std::strcmp(two_env, "1") == 0 && pr.path && !pr.gate &&
+                  !p.deterministic && pr.K == 128 && pr.V == 128;
+  if (two_size) kp.sc = kSuperChunksShort;
   const Tables t = build_tables(pr, kp.sc);
   fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
   kp.o = const_cast<void*>(p.o.data);
@@ -478,6 +485,31 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   kp.scratch_slots =
       !qfar_tiles.empty() && !kfar_tiles.empty() ? kp.sc : scratch_slot_count(kp.max_chunks, pr.path, kp.sc);
   size_t scratch_elems = size_t(std::max(gq, gk)) * kp.scratch_slots * kChunk * K;
+  // Two sizes: the first far launch takes the key tiles of even superblocks with their neighbour (kfar_tiles
+  // from here on), the second the double blocks' tiles (tiles2, on t2); the glue's items are the double blocks
+  // of sequences with more than one.
+  two_size = two_size && kp.kfuse && far_glue_usable(kp);
+  Tables t2;
+  std::vector<int32_t> tiles2, glue_items;
+  if (two_size) {
+    t2 = build_tables(pr, 2 * kp.sc);
+    std::vector<int32_t> adj;
+    std::vector<int> work2;
+    for (size_t i = 0; i < t.chunks.size(); ++i) {
+      const ChunkDesc& c = t.chunks[i];
+      if (c.c % (2 * kp.sc) == 0 && (c.len + kChunk - 1) / kChunk > 2 * kp.sc) glue_items.push_back(int32_t(i));
+      if (c.c % 2 != 0) continue;
+      if ((c.c / kp.sc) % 2 == 0 && key_tile_walk(c, kp.sc) >= 1) adj.push_back(int32_t(i));
+      const int walk2 = key_tile_walk(c, 2 * kp.sc);
+      if (walk2 >= 1) {
+        tiles2.push_back(int32_t(i));
+        work2.push_back(walk2);
+      }
+    }
+    tiles2 = order_far_tiles(std::move(tiles2), work2);
+    two_size = !tiles2.empty() && !adj.empty();
+    if (two_size) kfar_tiles = std::move(adj);
+  }
   int32_t *qfar_dev = nullptr, *kfar_dev = nullptr, *qpark_dev = nullptr, *kpark_dev = nullptr;
   int64_t qpark_slots = 0, kpark_slots = 0;
   // A far kernel's parking table (far_park_first) on the device and its states in all (at least one: the scratch
@@ -503,7 +535,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     kfar_grid = far_grid(int64_t(kfar_tiles.size()) * int64_t(H));
     if (kfar_grid <= 0) return internal("cuda: no SM count for the key side's far kernel");
     std::vector<int> slots;  // a key tile parks its states at each later superblock but the first
-    for (const int32_t i : kfar_tiles) slots.push_back(key_tile_walk(t.chunks[size_t(i)], kp.sc) - 1);
+    for (const int32_t i : kfar_tiles)
+      slots.push_back(two_size ? 0 : key_tile_walk(t.chunks[size_t(i)], kp.sc) - 1);
     park_table(slots, int(H), kfar_grid, &kpark_dev, &kpark_slots);
     scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(kpark_slots, int(K)));
     tables.add(kfar_tiles, [&kfar_dev](int32_t* d) { kfar_dev = d; });
@@ -511,6 +544,34 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     // Its query tiles (TMA) read whole chunks: past a sequence's end, rows of the next one's superblock 0,
     // which bwd_q leaves unwritten. Their P is 0, but so must their qhat be (0 x NaN is NaN).
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
+  }
+  // The two-size backward's second far launch and glue: their tables and buffers (PS2, ks2, qhat2 and the
+  // gradients w.r.t. them), apart from the pieces below (live from the glue's first launch to its second).
+  int32_t *tiles2_dev = nullptr, *park2_dev = nullptr, *glue_dev = nullptr;
+  const ChunkDesc* chunks2_dev = nullptr;
+  int64_t park2_slots = 0;
+  int grid2 = 0;
+  KernelParams k2{};
+  if (two_size) {
+    grid2 = far_grid(int64_t(tiles2.size()) * int64_t(H));
+    if (grid2 <= 0) return internal("cuda: no SM count for the key side's far kernel");
+    std::vector<int> slots;
+    for (const int32_t i : tiles2) slots.push_back(key_tile_walk(t2.chunks[size_t(i)], 2 * kp.sc) - 1);
+    park_table(slots, int(H), grid2, &park2_dev, &park2_slots);
+    scratch_elems = std::max(scratch_elems, bwd_k_far_park_elems(park2_slots, int(K)));
+    tables.add(tiles2, [&tiles2_dev](int32_t* d) { tiles2_dev = d; });
+    tables.add(glue_items, [&glue_dev](int32_t* d) { glue_dev = d; });
+    tables.add(t2.chunks, [&chunks2_dev](ChunkDesc* d) { chunks2_dev = d; });
+    k2.nsuper = int(t2.super_first.size());
+    __half *ks2 = nullptr, *qhat2 = nullptr;
+    PA_CU(ws.alloc(&k2.ps, size_t(k2.nsuper) * H * K * K));
+    PA_CU(ws.alloc(&k2.dps, size_t(k2.nsuper) * H * K * K));
+    PA_CU(ws.alloc(&ks2, NT * H * K));
+    PA_CU(ws.alloc(&qhat2, NT * HQ * K));
+    PA_CU(ws.alloc(&k2.dqt, (NT + kDqtPadRows) * HQ * K));
+    PA_CU(ws.alloc(&k2.dks, NT * H * K));
+    k2.ks = ks2;
+    k2.qhat = qhat2;
   }
   // Buffers that are never live at once share memory (kernel order: chunk_prep, super_prep, bwd_q, bwd_q_far,
   // bwd_k_far, bwd_k, super_bwd, bwd_chunk; with kfuse bwd_q (qhat), bwd_k_far, bwd_q, bwd_k, ...). dkt (bwd_k
@@ -553,6 +614,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   PA_TRY(tables.commit(ws));
   if (ws.measuring()) return Status::Ok();
   if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
+  if (zero_qhat && two_size) PA_CU(ws.zero(k2.qhat, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
@@ -566,7 +628,35 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     k1.qfar = 1;
     PA_CU(launch_bwd_q(k1, dt, gq, q_items, counters + 2, s));
     prof.mark("bwd_q(qhat)");
-    if (kp.kfuse) {
+    if (kp.kfuse && two_size) {
+      // The double blocks' parameters: kp's but for the superblock size, the table (its sfirst) and the
+      // buffers of the double blocks.
+      const KernelParams own2 = k2;
+      k2 = kp;
+      k2.sc = 2 * kp.sc;
+      k2.chunks = chunks2_dev;
+      k2.nsuper = own2.nsuper;
+      k2.ps = own2.ps;
+      k2.dps = own2.dps;
+      k2.ks = own2.ks;
+      k2.qhat = own2.qhat;
+      k2.dqt = own2.dqt;
+      k2.dks = own2.dks;
+      k2.far_half = kp.sc;
+      PA_CU(launch_far_glue(false, kp, k2, glue_dev, int(glue_items.size()), dt, s));
+      prof.mark("far_glue(fwd)");
+      KernelParams ka = kp;
+      ka.far_adj = true;
+      PA_CU(launch_bwd_k_far(ka, kfar_dev, int(kfar_tiles.size()), lsd, kpark_dev, kpark_slots, kfar_grid,
+                             counters + 1, dt, s));
+      prof.mark("bwd_k_far(adjacent)");
+      // (counters + 0 is bwd_q_far's, which does not run with kfuse.)
+      PA_CU(launch_bwd_k_far(k2, tiles2_dev, int(tiles2.size()), lsd, park2_dev, park2_slots, grid2, counters, dt,
+                             s));
+      prof.mark("bwd_k_far(double)");
+      PA_CU(launch_far_glue(true, kp, k2, glue_dev, int(glue_items.size()), dt, s));
+      prof.mark("far_glue(bwd)");
+    } else if (kp.kfuse) {
       PA_CU(launch_bwd_k_far(kp, kfar_dev, int(kfar_tiles.size()), lsd, kpark_dev, kpark_slots, kfar_grid,
                              counters + 1, dt, s));
       prof.mark("bwd_k_far(fused)");

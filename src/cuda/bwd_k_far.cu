@@ -20,6 +20,7 @@
 // has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
 // keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "cuda/hopper.cuh"
@@ -133,7 +134,9 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     const int h = it % p.H;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
     const int kc = ch.c, sbk = kc / p.sc;
-    const int last = (ch.len + kChunk - 1) / kChunk - 1, last_sb = last / p.sc;
+    // (p.far_adj: the tile's adjacent superblock alone, no crossing.)
+    const int last = min((ch.len + kChunk - 1) / kChunk - 1, p.far_adj ? (sbk + 2) * p.sc - 1 : INT_MAX),
+              last_sb = last / p.sc;
     const int n1 = last_sb - sbk - 1;  // superblock crossings of pass 1 (and of pass 2)
     const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokk0 = seq_tok0 + int64_t(kc) * kChunk;
     // Query items of pass 2: superblocks last_sb .. sbk + 1, chunks from the last, heads of the group.
@@ -491,6 +494,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     }
     n_q += uint32_t(nit);
     // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys (rows of full chunks).
+    // p.far_half: the keys of an even half took their adjacent superblock's part in the launch before.
+    const bool dv_add = p.far_half > 0 && (kc / p.far_half) % 2 == 0;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t row = (tokk0 + 16 * warp + g + 8 * hr) * p.H + h;
@@ -502,8 +507,14 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         // dvk is dvdiag (MHA): added to bwd_q's diagonal part without waiting for it (a reduction, no load; the
         // one add to each element, so the result is deterministic). kFuse runs before bwd_q's last launch, which
         // adds its part to this one.
-        if (!kFuse && p.dvk_merged()) atomicAdd(dvr, x);
-        else *dvr = x;
+        if (!kFuse && p.dvk_merged()) {
+          atomicAdd(dvr, x);
+        } else if (dv_add) {
+          const float2 o = *dvr;
+          *dvr = make_float2(o.x + x.x, o.y + x.y);
+        } else {
+          *dvr = x;
+        }
       }
     }
   }

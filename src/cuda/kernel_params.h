@@ -124,6 +124,11 @@ struct KernelParams {
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool kfuse;       // bwd_k_far takes the query side's far part too (dq by reductions into dqt, which bwd_q's qhat
                     // launch zeroes; dPS from the key chain) and runs before bwd_q's last launch; no bwd_q_far
+  // The two-size backward (far_glue.cu): far_adj, bwd_k_far on each tile's adjacent superblock alone; far_half,
+  // bwd_k_far on double blocks of 2 far_half chunks whose dv rows of even halves the adjacent launch stored first
+  // (added to; else 0).
+  bool far_adj;
+  int far_half;
   bool deterministic;
   bool dgq;         // the gate's column sums of dS come from the query side (bwd_q, bwd_q_far: atomics into
                     // dgcol; deterministic mode: bwd_q alone, ordered adds), not bwd_k; required for the far

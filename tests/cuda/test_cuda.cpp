@@ -444,6 +444,24 @@ TEST(CudaBackend, BackwardFarAndWhole) {
   });
 }
 
+// The two-size backward (PATHATTN_CUDA_BWD_TWO_SIZE=1, K = V = 128 without the gate): chains on 256-token
+// superblocks, the fused far kernel on each even superblock's neighbour and on 512-token double blocks, the glue
+// between them. A sequence's last double block whole, half (an odd superblock count) or partial, rows past a
+// sequence's end, GQA, varlen with an empty sequence, fp16 with beta = 2.
+TEST(CudaBackend, BackwardTwoSize) {
+  REQUIRE_GPU();
+  setenv("PATHATTN_CUDA_BWD_TWO_SIZE", "1", 1);
+  CaseSpec s = mk(2500, 4, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 110);
+  s.B = 1;
+  check_case(s, true, {}, true);
+  check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 111), true, {}, true);
+  s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 112);
+  s.B = 1;
+  s.seqlens = {0, 700, 1363, 37, 2048};
+  check_case(s, true, {}, true);
+  unsetenv("PATHATTN_CUDA_BWD_TWO_SIZE");
+}
+
 // The accuracy bar of the CUDA issue: bf16, T in 512..2048, K in {64, 128}, beta ~ U(0, 2), gate on/off.
 TEST(CudaBackend, AccuracyBar) {
   REQUIRE_GPU();
