@@ -546,7 +546,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     for (const core::Seq& sq : pr.seqs) zero_qhat = zero_qhat || sq.len % kChunk != 0;
   }
   // The two-size backward's second far launch and glue: their tables and buffers (PS2, ks2, qhat2 and the
-  // gradients w.r.t. them), apart from the pieces below (live from the glue's first launch to its second).
+  // gradients w.r.t. them; ks2 / dks2 rows of even halves, qhat2 / dqt2 rows of odd halves used), apart from the
+  // pieces below (live from the glue's first launch to its second).
   int32_t *tiles2_dev = nullptr, *park2_dev = nullptr, *glue_dev = nullptr;
   const ChunkDesc* chunks2_dev = nullptr;
   int64_t park2_slots = 0;
@@ -643,6 +644,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
       k2.dqt = own2.dqt;
       k2.dks = own2.dks;
       k2.far_half = kp.sc;
+      k2.far1_ks = kp.ks;
+      k2.far1_qhat = kp.qhat;
+      k2.far1_dqt = kp.dqt;
+      k2.far1_dks = kp.dks;
       PA_CU(launch_far_glue(false, kp, k2, glue_dev, int(glue_items.size()), dt, s));
       prof.mark("far_glue(fwd)");
       KernelParams ka = kp;

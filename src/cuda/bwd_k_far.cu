@@ -43,6 +43,8 @@ struct KfMaps {
   CUtensorMap dout;  // [B][T][HQ][V] with dO's strides: 64 columns x 64 query rows
   CUtensorMap ps;    // [nsuper H K][K] fp16: 64 columns x K rows
   CUtensorMap dqt;   // kFuse: [NT][HQ][K] fp32, the reductions' target: 32 columns x 64 query rows, paired
+  // p.far_half > 0 (double blocks): the chains' ks (odd halves' key tiles), qhat and dqt (even halves' queries).
+  CUtensorMap ks1, qhat1, dqt1;
   const int32_t* tiles;  // chunk-table index of each tile's first (even) chunk, most work first
   int* next;             // items handed out past the first gridDim.x (zeroed before the launch)
   const float2* lsd;     // [HQ][nchunks][64] (lse in base 2, delta) per query row; +inf past the sequence
@@ -134,6 +136,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     const int h = it % p.H;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
     const int kc = ch.c, sbk = kc / p.sc;
+    // Double blocks: a tile of an odd half starts from the chains' ks and leaves dks there (no transform).
+    const bool odd_keys = p.far_half > 0 && (kc / p.far_half) % 2 != 0;
     // (p.far_adj: the tile's adjacent superblock alone, no crossing.)
     const int last = min((ch.len + kChunk - 1) / kChunk - 1, p.far_adj ? (sbk + 2) * p.sc - 1 : INT_MAX),
               last_sb = last / p.sc;
@@ -168,9 +172,11 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2 + kChunk * 8));
       const int qc = chunk_of(j), hq = head_of(j);
       const int64_t t = ch.t0 + int64_t(qc) * kChunk;
+      // Double blocks: the queries of an even half are the chains' qhat.
+      const CUtensorMap* qmap = p.far_half > 0 && (qc / p.far_half) % 2 == 0 ? &mp.qhat1 : &mp.qhat;
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
-        tma_load(Qs + st * kChunk * K + b * kChunk * 64, &mp.qhat, 64 * b, hq, int(seq_tok0 + int64_t(qc) * kChunk),
+        tma_load(Qs + st * kChunk * K + b * kChunk * 64, qmap, 64 * b, hq, int(seq_tok0 + int64_t(qc) * kChunk),
                  &full[st]);
         tma_load(Ds + st * kChunk * V + b * kChunk * 64, &mp.dout, 64 * b, hq, int(t), int(ch.b), &full[st]);
       }
@@ -180,7 +186,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     auto issue_kt = [&](int a, uint64_t* bar) {
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
-        if (a == sbk + 1) tma_load(Kt + b * kKfKeys * 64, &mp.ks, 64 * b, h, int(tokk0), bar);
+        if (a == sbk + 1) tma_load(Kt + b * kKfKeys * 64, odd_keys ? &mp.ks1 : &mp.ks, 64 * b, h, int(tokk0), bar);
         else tma_load(Kt + b * kKfKeys * 64, &mp.park, 64 * b, park_row0_s + (a - sbk - 2) * kKfKeys, bar);
       }
     };
@@ -193,7 +199,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // ---- pass 1: kt (this warp's 16 keys, fp32) from ks across superblocks sbk + 1 .. last_sb - 1.
     if (n1 > 0) {
       float kt[K / 8][4];
-      const T* ksp = static_cast<const T*>(p.ks);
+      const T* ksp = static_cast<const T*>(odd_keys ? p.far1_ks : p.ks);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const T* src = ksp + ((tokk0 + 16 * warp + g + 8 * hr) * p.H + h) * K;
@@ -300,8 +306,9 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         __syncthreads();
         if (threadIdx.x == 0) {
           const int hq = head_of(j), row = int(seq_tok0 + int64_t(qc) * kChunk);
+          const CUtensorMap* dmap = p.far_half > 0 && (qc / p.far_half) % 2 == 0 ? &mp.dqt1 : &mp.dqt;
 #pragma unroll
-          for (int b = 0; b < K / 32; ++b) tma_reduce_add(&mp.dqt, box(b), 32 * b, hq, 0, row);
+          for (int b = 0; b < K / 32; ++b) tma_reduce_add(dmap, box(b), 32 * b, hq, 0, row);
           bulk_commit();
         }
       }
@@ -501,7 +508,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       const int64_t row = (tokk0 + 16 * warp + g + 8 * hr) * p.H + h;
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt) {
-        *reinterpret_cast<float2*>(p.dks + row * K + 8 * nt + 2 * t4) = make_float2(hk[nt][2 * hr], hk[nt][2 * hr + 1]);
+        *reinterpret_cast<float2*>((odd_keys ? p.far1_dks : p.dks) + row * K + 8 * nt + 2 * t4) =
+            make_float2(hk[nt][2 * hr], hk[nt][2 * hr + 1]);
         float2* dvr = reinterpret_cast<float2*>(p.dvk + row * V + 8 * nt + 2 * t4);
         const float2 x = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
         // dvk is dvdiag (MHA): added to bwd_q's diagonal part without waiting for it (a reduction, no load; the
@@ -575,6 +583,13 @@ cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int nt
       !map_bthd(&mp.dout, dt, p.dout, p.do_s, p.V, p.HQ, p.T, p.B, kChunk) ||
       !map_matrix(&mp.ps, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p.ps, p.K, int64_t(p.nsuper) * p.H * p.K, p.K) ||
       (p.kfuse && !map_tokens_paired(&mp.dqt, p.dqt, p.K, p.HQ, NT)))
+    return cudaErrorInvalidValue;
+  mp.ks1 = mp.ks;
+  mp.qhat1 = mp.qhat;
+  mp.dqt1 = mp.dqt;
+  if (p.far_half > 0 && (!map_tokens(&mp.ks1, dt, p.far1_ks, p.K, p.H, NT, kKfKeys) ||
+                         !map_tokens(&mp.qhat1, dt, p.far1_qhat, p.K, p.HQ, NT, kChunk) ||
+                         !map_tokens_paired(&mp.dqt1, p.far1_dqt, p.K, p.HQ, NT)))
     return cudaErrorInvalidValue;
   const int nitems = ntiles * p.H;
   if (dtype == 0) return p.K == 64 ? far_t<__half, 64>(p, mp, nitems, grid, s) : far_t<__half, 128>(p, mp, nitems, grid, s);

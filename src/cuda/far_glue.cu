@@ -2,12 +2,11 @@
 // superblocks s of sc chunks; the fused far kernel runs twice: once on the adjacent superblock alone (the keys of
 // an even superblock 2m with the queries of 2m + 1, no crossing) and once on double blocks m = {2m, 2m + 1}
 // (kernel params p2: sc2 = 2 sc), whose inputs and gradients are the single blocks' through
-//   PS2_m = PS_{2m+1} PS_{2m}, ks2 = ks PS_{2m+1}^T (keys of 2m; those of 2m + 1 as they are),
-//   qhat2 = qhat PS_{2m} (queries of 2m + 1; those of 2m as they are).
-// glue_fwd builds PS2, ks2, qhat2 (and zeroes dqt2 and dps2, which the far kernel adds into); glue_bwd takes the
-// adjoints back: dPS_{2m+1} += dPS2 PS_{2m}^T + dks2^T ks (keys of 2m), dPS_{2m} += PS_{2m+1}^T dPS2 + qhat^T
-// dqt2 (queries of 2m + 1), dks += dks2 PS_{2m+1} (keys of 2m; 2m + 1's take dks2), dqt += dqt2 PS_{2m}^T
-// (queries of 2m + 1; 2m's add dqt2). Conventions as bwd_k_far.cu: PS_s = P_last ... P_first, keys move forward
+//   PS2_m = PS_{2m+1} PS_{2m}, ks2 = ks PS_{2m+1}^T (keys of 2m), qhat2 = qhat PS_{2m} (queries of 2m + 1);
+// the keys of 2m + 1 and the queries of 2m are the chains' own (the far kernel reads ks / qhat and writes dks /
+// dqt for them: KernelParams::far1_*). glue_fwd builds PS2, ks2, qhat2 (and zeroes dqt2 and dps2, which the far
+// kernel adds into); glue_bwd takes the adjoints back: dPS_{2m+1} += dPS2 PS_{2m}^T + dks2^T ks (keys of 2m),
+// dPS_{2m} += PS_{2m+1}^T dPS2 + qhat^T dqt2 (queries of 2m + 1), dks += dks2 PS_{2m+1}, dqt += dqt2 PS_{2m}^T. Conventions as bwd_k_far.cu: PS_s = P_last ... P_first, keys move forward
 // as k <- k PS^T, queries back as q <- q PS. One CTA (two warpgroups) a job: a 128-row tile of one (double
 // block, kv head), with the products of hopper.cuh's ps_product (fp16 operands, fp32 accumulation) and the far
 // kernels' staged outer products for the dPS sums.
@@ -169,38 +168,25 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_fwd_kernel(const __grid_co
     for (int i = threadIdx.x; i < K * K / 4; i += kGlThreads)
       reinterpret_cast<float4*>(p2.dps + at)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   } else if (job <= tiles) {
-    if (bk.m >= bk.last2) return;  // (then both halves are whole)
-    const int64_t te = bk.tok0 + se * sb_rows + int64_t(job - 1) * kGlRows, to = te + sb_rows;
-    const int64_t ld = int64_t(p.H) * K;
-    const T* ks = static_cast<const T*>(p.ks);
-    T* ks2 = static_cast<T*>(p2.ks);
+    if (bk.m >= bk.last2) return;  // (then the even half is whole)
+    const int64_t te = bk.tok0 + se * sb_rows + int64_t(job - 1) * kGlRows, ld = int64_t(p.H) * K;
     stage_ps<K>(PSs, ps_of(so));
-    load_rows<T, K>(x, ks + (te * p.H + h) * K, ld, kGlRows);
+    load_rows<T, K>(x, static_cast<const T*>(p.ks) + (te * p.H + h) * K, ld, kGlRows);
     ps_product<K, true, false>(x, PSs);  // ks PS_{2m+1}^T
-    put_rows<0, T, K>(x, ks2 + (te * p.H + h) * K, ld, kGlRows);
-    load_rows<T, K>(x, ks + (to * p.H + h) * K, ld, kGlRows);
-    put_rows<0, T, K>(x, ks2 + (to * p.H + h) * K, ld, kGlRows);
+    put_rows<0, T, K>(x, static_cast<T*>(p2.ks) + (te * p.H + h) * K, ld, kGlRows);
   } else {
     if (bk.m < 1) return;
     const int jq = job - 1 - tiles, hq = h * p.group + jq / tiles;
-    const int pe = int(se * sb_rows) + (jq % tiles) * kGlRows, po = pe + int(sb_rows);
-    const int ve = min(max(bk.len - pe, 0), kGlRows), vo = min(max(bk.len - po, 0), kGlRows);
-    const int64_t ld = int64_t(p.HQ) * K;
-    const T* qh = static_cast<const T*>(p.qhat);
-    T* qh2 = static_cast<T*>(p2.qhat);
+    const int po = int(so * sb_rows) + (jq % tiles) * kGlRows, vo = min(max(bk.len - po, 0), kGlRows);
+    if (so > bk.last_sb || vo == 0) return;
+    const int64_t ld = int64_t(p.HQ) * K, ro = ((bk.tok0 + po) * p.HQ + hq) * K;
     float z[K / 8][4];
     zero_acc(z);
-    const int64_t re = ((bk.tok0 + pe) * p.HQ + hq) * K, ro = ((bk.tok0 + po) * p.HQ + hq) * K;
-    load_rows<T, K>(x, qh + re, ld, ve);
-    put_rows<0, T, K>(x, qh2 + re, ld, ve);
-    put_rows<0, float, K>(z, p2.dqt + re, ld, ve);
-    if (so < bk.last_sb + 1 && vo > 0) {  // (block-uniform)
-      stage_ps<K>(PSs, ps_of(se));
-      load_rows<T, K>(x, qh + ro, ld, vo);
-      ps_product<K, false, false>(x, PSs);  // qhat PS_{2m}
-      put_rows<0, T, K>(x, qh2 + ro, ld, vo);
-      put_rows<0, float, K>(z, p2.dqt + ro, ld, vo);
-    }
+    stage_ps<K>(PSs, ps_of(se));
+    load_rows<T, K>(x, static_cast<const T*>(p.qhat) + ro, ld, vo);
+    ps_product<K, false, false>(x, PSs);  // qhat PS_{2m}
+    put_rows<0, T, K>(x, static_cast<T*>(p2.qhat) + ro, ld, vo);
+    put_rows<0, float, K>(z, p2.dqt + ro, ld, vo);
   }
 #endif
 }
@@ -252,11 +238,7 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_bwd_kernel(const __grid_co
     }
   } else if (job < 2 + tiles) {
     if (bk.m >= bk.last2) return;
-    const int64_t te = bk.tok0 + se * sb_rows + int64_t(job - 2) * kGlRows, to = te + sb_rows;
-    const int64_t ld = int64_t(p.H) * K;
-    // The odd half's keys: dks2 is their gradient at their own end already.
-    load_rows<float, K>(x, p2.dks + (to * p.H + h) * K, ld, kGlRows);
-    put_rows<0, float, K>(x, p.dks + (to * p.H + h) * K, ld, kGlRows);
+    const int64_t te = bk.tok0 + se * sb_rows + int64_t(job - 2) * kGlRows, ld = int64_t(p.H) * K;
     stage_ps<K>(PSs, ps_of(so));
     float y[K / 8][4];
     load_rows<float, K>(x, p2.dks + (te * p.H + h) * K, ld, kGlRows);
@@ -267,21 +249,16 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_bwd_kernel(const __grid_co
   } else {
     if (bk.m < 1) return;
     const int jq = job - 2 - tiles, hq = h * p.group + jq / tiles;
-    const int pe = int(se * sb_rows) + (jq % tiles) * kGlRows, po = pe + int(sb_rows);
-    const int ve = min(max(bk.len - pe, 0), kGlRows), vo = min(max(bk.len - po, 0), kGlRows);
-    const int64_t ld = int64_t(p.HQ) * K;
-    const int64_t re = ((bk.tok0 + pe) * p.HQ + hq) * K, ro = ((bk.tok0 + po) * p.HQ + hq) * K;
-    load_rows<float, K>(x, p2.dqt + re, ld, ve);
-    put_rows<1, float, K>(x, p.dqt + re, ld, ve);
-    if (so < bk.last_sb + 1 && vo > 0) {
-      stage_ps<K>(PSs, ps_of(se));
-      float y[K / 8][4];
-      load_rows<float, K>(x, p2.dqt + ro, ld, vo);
-      load_rows<T, K>(y, static_cast<const T*>(p.qhat) + ro, ld, vo);
-      add_outer<T, K>(y, x, As, Bs, red, dps_of(se));  // qhat^T dqt2
-      ps_product<K, true, true>(x, PSs);  // dqt2 PS_{2m}^T
-      put_rows<1, float, K>(x, p.dqt + ro, ld, vo);
-    }
+    const int po = int(so * sb_rows) + (jq % tiles) * kGlRows, vo = min(max(bk.len - po, 0), kGlRows);
+    if (so > bk.last_sb || vo == 0) return;
+    const int64_t ld = int64_t(p.HQ) * K, ro = ((bk.tok0 + po) * p.HQ + hq) * K;
+    stage_ps<K>(PSs, ps_of(se));
+    float y[K / 8][4];
+    load_rows<float, K>(x, p2.dqt + ro, ld, vo);
+    load_rows<T, K>(y, static_cast<const T*>(p.qhat) + ro, ld, vo);
+    add_outer<T, K>(y, x, As, Bs, red, dps_of(se));  // qhat^T dqt2
+    ps_product<K, true, true>(x, PSs);  // dqt2 PS_{2m}^T
+    put_rows<1, float, K>(x, p.dqt + ro, ld, vo);
   }
 #endif
 }

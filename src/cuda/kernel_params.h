@@ -127,8 +127,14 @@ struct KernelParams {
   // The two-size backward (far_glue.cu): far_adj, bwd_k_far on each tile's adjacent superblock alone; far_half,
   // bwd_k_far on double blocks of 2 far_half chunks whose dv rows of even halves the adjacent launch stored first
   // (added to; else 0).
+  // With far_half, the chains' buffers for the halves that need no transform: the keys of odd halves start from
+  // far1_ks and leave their gradient in far1_dks, the queries of even halves are far1_qhat and add into far1_dqt.
   bool far_adj;
   int far_half;
+  void* far1_ks;
+  void* far1_qhat;
+  float* far1_dqt;
+  float* far1_dks;
   bool deterministic;
   bool dgq;         // the gate's column sums of dS come from the query side (bwd_q, bwd_q_far: atomics into
                     // dgcol; deterministic mode: bwd_q alone, ordered adds), not bwd_k; required for the far
