@@ -552,7 +552,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   const ChunkDesc* chunks2_dev = nullptr;
   int64_t park2_slots = 0;
   int grid2 = 0;
-  KernelParams k2{};
+  __half *ps2 = nullptr, *ks2 = nullptr, *qhat2 = nullptr;
+  float *dps2 = nullptr, *dqt2 = nullptr, *dks2 = nullptr;
   if (two_size) {
     grid2 = far_grid(int64_t(tiles2.size()) * int64_t(H));
     if (grid2 <= 0) return internal("cuda: no SM count for the key side's far kernel");
@@ -563,16 +564,13 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     tables.add(tiles2, [&tiles2_dev](int32_t* d) { tiles2_dev = d; });
     tables.add(glue_items, [&glue_dev](int32_t* d) { glue_dev = d; });
     tables.add(t2.chunks, [&chunks2_dev](ChunkDesc* d) { chunks2_dev = d; });
-    k2.nsuper = int(t2.super_first.size());
-    __half *ks2 = nullptr, *qhat2 = nullptr;
-    PA_CU(ws.alloc(&k2.ps, size_t(k2.nsuper) * H * K * K));
-    PA_CU(ws.alloc(&k2.dps, size_t(k2.nsuper) * H * K * K));
+    const size_t nsuper2 = t2.super_first.size();
+    PA_CU(ws.alloc(&ps2, nsuper2 * H * K * K));
+    PA_CU(ws.alloc(&dps2, nsuper2 * H * K * K));
     PA_CU(ws.alloc(&ks2, NT * H * K));
     PA_CU(ws.alloc(&qhat2, NT * HQ * K));
-    PA_CU(ws.alloc(&k2.dqt, (NT + kDqtPadRows) * HQ * K));
-    PA_CU(ws.alloc(&k2.dks, NT * H * K));
-    k2.ks = ks2;
-    k2.qhat = qhat2;
+    PA_CU(ws.alloc(&dqt2, (NT + kDqtPadRows) * HQ * K));
+    PA_CU(ws.alloc(&dks2, NT * H * K));
   }
   // Buffers that are never live at once share memory (kernel order: chunk_prep, super_prep, bwd_q, bwd_q_far,
   // bwd_k_far, bwd_k, super_bwd, bwd_chunk; with kfuse bwd_q (qhat), bwd_k_far, bwd_q, bwd_k, ...). dkt (bwd_k
@@ -615,7 +613,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   PA_TRY(tables.commit(ws));
   if (ws.measuring()) return Status::Ok();
   if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
-  if (zero_qhat && two_size) PA_CU(ws.zero(k2.qhat, NT * HQ * K * 2));
+  if (zero_qhat && two_size) PA_CU(ws.zero(qhat2, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
@@ -632,17 +630,16 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     if (kp.kfuse && two_size) {
       // The double blocks' parameters: kp's but for the superblock size, the table (its sfirst) and the
       // buffers of the double blocks.
-      const KernelParams own2 = k2;
-      k2 = kp;
+      KernelParams k2 = kp;
       k2.sc = 2 * kp.sc;
       k2.chunks = chunks2_dev;
-      k2.nsuper = own2.nsuper;
-      k2.ps = own2.ps;
-      k2.dps = own2.dps;
-      k2.ks = own2.ks;
-      k2.qhat = own2.qhat;
-      k2.dqt = own2.dqt;
-      k2.dks = own2.dks;
+      k2.nsuper = int(t2.super_first.size());
+      k2.ps = ps2;
+      k2.dps = dps2;
+      k2.ks = ks2;
+      k2.qhat = qhat2;
+      k2.dqt = dqt2;
+      k2.dks = dks2;
       k2.far_half = kp.sc;
       k2.far1_ks = kp.ks;
       k2.far1_qhat = kp.qhat;

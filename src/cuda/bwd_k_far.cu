@@ -136,8 +136,10 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     const int h = it % p.H;
     const ChunkDesc ch = p.chunks[mp.tiles[it / p.H]];
     const int kc = ch.c, sbk = kc / p.sc;
-    // Double blocks: a tile of an odd half starts from the chains' ks and leaves dks there (no transform).
-    const bool odd_keys = p.far_half > 0 && (kc / p.far_half) % 2 != 0;
+    // Double blocks (p.far_half): a tile of an odd half starts from the chains' ks and leaves dks there, the
+    // queries of an even half are the chains' qhat and add into their dqt (no transform).
+    auto odd_half = [&](int c) { return (c / p.far_half) % 2 != 0; };
+    const bool odd_keys = p.far_half > 0 && odd_half(kc);
     // (p.far_adj: the tile's adjacent superblock alone, no crossing.)
     const int last = min((ch.len + kChunk - 1) / kChunk - 1, p.far_adj ? (sbk + 2) * p.sc - 1 : INT_MAX),
               last_sb = last / p.sc;
@@ -172,8 +174,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       mbar_expect_tx(&full[st], uint32_t(kChunk * (K + V) * 2 + kChunk * 8));
       const int qc = chunk_of(j), hq = head_of(j);
       const int64_t t = ch.t0 + int64_t(qc) * kChunk;
-      // Double blocks: the queries of an even half are the chains' qhat.
-      const CUtensorMap* qmap = p.far_half > 0 && (qc / p.far_half) % 2 == 0 ? &mp.qhat1 : &mp.qhat;
+      const CUtensorMap* qmap = p.far_half > 0 && !odd_half(qc) ? &mp.qhat1 : &mp.qhat;
 #pragma unroll 1
       for (int b = 0; b < KB; ++b) {
         tma_load(Qs + st * kChunk * K + b * kChunk * 64, qmap, 64 * b, hq, int(seq_tok0 + int64_t(qc) * kChunk),
@@ -306,7 +307,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         __syncthreads();
         if (threadIdx.x == 0) {
           const int hq = head_of(j), row = int(seq_tok0 + int64_t(qc) * kChunk);
-          const CUtensorMap* dmap = p.far_half > 0 && (qc / p.far_half) % 2 == 0 ? &mp.dqt1 : &mp.dqt;
+          const CUtensorMap* dmap = p.far_half > 0 && !odd_half(qc) ? &mp.dqt1 : &mp.dqt;
 #pragma unroll
           for (int b = 0; b < K / 32; ++b) tma_reduce_add(dmap, box(b), 32 * b, hq, 0, row);
           bulk_commit();
@@ -502,7 +503,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     n_q += uint32_t(nit);
     // dks (h at the own superblock's end) and the far part of dv, this warp's 16 keys (rows of full chunks).
     // p.far_half: the keys of an even half took their adjacent superblock's part in the launch before.
-    const bool dv_add = p.far_half > 0 && (kc / p.far_half) % 2 == 0;
+    const bool dv_add = p.far_half > 0 && !odd_keys;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int64_t row = (tokk0 + 16 * warp + g + 8 * hr) * p.H + h;

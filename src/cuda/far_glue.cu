@@ -121,26 +121,52 @@ __device__ __forceinline__ void add_outer(const float (&a)[K / 8][4], const floa
   __syncthreads();  // the staged tiles are free again
 }
 
-// A double block's facts, from the chunk table entry of its first chunk (items: one a double block that is not
-// alone in its sequence).
+// This CTA's job: its double block m (from the chunk table entry of the block's first chunk, items[blockIdx.x]:
+// one a double block that is not alone in its sequence), kv head blockIdx.z, job blockIdx.y.
 struct Block {
-  int64_t tok0;   // the sequence's first token row (b T + t0)
-  int len, last_sb, last2, m;
-  int sfirst, sfirst2;
+  int64_t tok0;     // the sequence's first token row (b T + t0)
+  int64_t sb_rows;  // rows of a superblock of p
+  int len, last_sb, last2, m, se, so;  // so = se + 1 = 2 m + 1
+  int sfirst, sfirst2, h, job, tiles;  // tiles: 128-row tiles a superblock
 };
 #ifdef PA_SM90A
-__device__ __forceinline__ Block block_of(const KernelParams& p, const KernelParams& p2, int ci) {
+__device__ __forceinline__ Block block_of(const KernelParams& p, const KernelParams& p2, const int32_t* items) {
+  const int ci = items[blockIdx.x];
   const ChunkDesc ch = p.chunks[ci];
   Block b;
   b.tok0 = ch.b * p.T + ch.t0;
+  b.sb_rows = int64_t(p.sc) * kChunk;
   b.len = ch.len;
   const int last = (ch.len + kChunk - 1) / kChunk - 1;
   b.last_sb = last / p.sc;
   b.last2 = last / p2.sc;
   b.m = ch.c / p2.sc;
+  b.se = 2 * b.m;
+  b.so = b.se + 1;
   b.sfirst = ch.sfirst;
   b.sfirst2 = p2.chunks[ci].sfirst;
+  b.h = int(blockIdx.z);
+  b.job = int(blockIdx.y);
+  b.tiles = p.sc / 2;
   return b;
+}
+// The K x K matrix of superblock s of bk's sequence and head in a [nsuper H K][K] array (ps, dps).
+template <int K, typename E>
+__device__ __forceinline__ E* super_mat(E* base, const KernelParams& p, const Block& bk, int s) {
+  return base + (int64_t(bk.sfirst + s) * p.H + bk.h) * K * K;
+}
+// Query tile jq (of the jobs after the first `skip`) of the odd half: its first row's offset in a [NT][HQ][K]
+// array and its rows within the sequence (0 where the tile or the odd half lies past the sequence's end).
+struct QueryTile {
+  int64_t at;
+  int rows;
+};
+template <int K>
+__device__ __forceinline__ QueryTile odd_query_tile(const KernelParams& p, const Block& bk, int skip) {
+  const int jq = bk.job - skip, hq = bk.h * p.group + jq / bk.tiles;
+  const int po = int(bk.so * bk.sb_rows) + (jq % bk.tiles) * kGlRows;
+  const int rows = bk.so > bk.last_sb ? 0 : min(max(bk.len - po, 0), kGlRows);
+  return {((bk.tok0 + po) * p.HQ + hq) * K, rows};
 }
 #endif
 
@@ -153,40 +179,36 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_fwd_kernel(const __grid_co
 #ifdef PA_SM90A
   extern __shared__ __align__(16) uint8_t smem[];
   __half* PSs = reinterpret_cast<__half*>(align1k(smem));
-  const Block bk = block_of(p, p2, items[blockIdx.x]);
-  const int h = blockIdx.z, job = blockIdx.y, tiles = p.sc / 2, se = 2 * bk.m, so = se + 1;
-  const int64_t sb_rows = int64_t(p.sc) * kChunk;
-  auto ps_of = [&](int s) { return p.ps + (int64_t(bk.sfirst + s) * p.H + h) * K * K; };
+  const Block bk = block_of(p, p2, items);
+  const int h = bk.h;
   float x[K / 8][4];
-  if (job == 0) {
+  if (bk.job == 0) {
     if (bk.m < 1 || bk.m >= bk.last2) return;
-    stage_ps<K>(PSs, ps_of(se));
-    load_rows<__half, K>(x, ps_of(so), K, K);
+    stage_ps<K>(PSs, super_mat<K>(p.ps, p, bk, bk.se));
+    load_rows<__half, K>(x, super_mat<K>(p.ps, p, bk, bk.so), K, K);
     ps_product<K, false, false>(x, PSs);  // PS_{2m+1} PS_{2m}
     const int64_t at = (int64_t(bk.sfirst2 + bk.m) * p.H + h) * K * K;
     put_rows<0, __half, K>(x, p2.ps + at, K, K);
     for (int i = threadIdx.x; i < K * K / 4; i += kGlThreads)
       reinterpret_cast<float4*>(p2.dps + at)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  } else if (job <= tiles) {
+  } else if (bk.job <= bk.tiles) {
     if (bk.m >= bk.last2) return;  // (then the even half is whole)
-    const int64_t te = bk.tok0 + se * sb_rows + int64_t(job - 1) * kGlRows, ld = int64_t(p.H) * K;
-    stage_ps<K>(PSs, ps_of(so));
+    const int64_t te = bk.tok0 + bk.se * bk.sb_rows + int64_t(bk.job - 1) * kGlRows, ld = int64_t(p.H) * K;
+    stage_ps<K>(PSs, super_mat<K>(p.ps, p, bk, bk.so));
     load_rows<T, K>(x, static_cast<const T*>(p.ks) + (te * p.H + h) * K, ld, kGlRows);
     ps_product<K, true, false>(x, PSs);  // ks PS_{2m+1}^T
     put_rows<0, T, K>(x, static_cast<T*>(p2.ks) + (te * p.H + h) * K, ld, kGlRows);
   } else {
-    if (bk.m < 1) return;
-    const int jq = job - 1 - tiles, hq = h * p.group + jq / tiles;
-    const int po = int(so * sb_rows) + (jq % tiles) * kGlRows, vo = min(max(bk.len - po, 0), kGlRows);
-    if (so > bk.last_sb || vo == 0) return;
-    const int64_t ld = int64_t(p.HQ) * K, ro = ((bk.tok0 + po) * p.HQ + hq) * K;
+    const QueryTile qt = odd_query_tile<K>(p, bk, 1 + bk.tiles);
+    if (bk.m < 1 || qt.rows == 0) return;
+    const int64_t ld = int64_t(p.HQ) * K;
     float z[K / 8][4];
     zero_acc(z);
-    stage_ps<K>(PSs, ps_of(se));
-    load_rows<T, K>(x, static_cast<const T*>(p.qhat) + ro, ld, vo);
+    stage_ps<K>(PSs, super_mat<K>(p.ps, p, bk, bk.se));
+    load_rows<T, K>(x, static_cast<const T*>(p.qhat) + qt.at, ld, qt.rows);
     ps_product<K, false, false>(x, PSs);  // qhat PS_{2m}
-    put_rows<0, T, K>(x, static_cast<T*>(p2.qhat) + ro, ld, vo);
-    put_rows<0, float, K>(z, p2.dqt + ro, ld, vo);
+    put_rows<0, T, K>(x, static_cast<T*>(p2.qhat) + qt.at, ld, qt.rows);
+    put_rows<0, float, K>(z, p2.dqt + qt.at, ld, qt.rows);
   }
 #endif
 }
@@ -203,17 +225,15 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_bwd_kernel(const __grid_co
   T* As = reinterpret_cast<T*>(PSs + K * K);
   T* Bs = As + kGlRows * K;
   __shared__ float red[kGlThreads / 32];
-  const Block bk = block_of(p, p2, items[blockIdx.x]);
-  const int h = blockIdx.z, job = blockIdx.y, tiles = p.sc / 2, se = 2 * bk.m, so = se + 1;
-  const int warp = threadIdx.x >> 5;
-  const int64_t sb_rows = int64_t(p.sc) * kChunk;
-  auto ps_of = [&](int s) { return p.ps + (int64_t(bk.sfirst + s) * p.H + h) * K * K; };
-  auto dps_of = [&](int s) { return p.dps + (int64_t(bk.sfirst + s) * p.H + h) * K * K; };
+  const Block bk = block_of(p, p2, items);
+  const int h = bk.h, se = bk.se, so = bk.so, warp = threadIdx.x >> 5;
+  auto ps_of = [&](int s) { return super_mat<K>(p.ps, p, bk, s); };
+  auto dps_of = [&](int s) { return super_mat<K>(p.dps, p, bk, s); };
   float x[K / 8][4];
-  if (job < 2) {
+  if (bk.job < 2) {
     if (bk.m < 1 || bk.m >= bk.last2) return;
     const float* d2 = p2.dps + (int64_t(bk.sfirst2 + bk.m) * p.H + h) * K * K;
-    if (job == 0) {
+    if (bk.job == 0) {
       stage_ps<K>(PSs, ps_of(se));
       load_rows<float, K>(x, d2, K, K);
       ps_product<K, true, true>(x, PSs);  // dPS2 PS_{2m}^T
@@ -236,9 +256,9 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_bwd_kernel(const __grid_co
         }
       }
     }
-  } else if (job < 2 + tiles) {
+  } else if (bk.job < 2 + bk.tiles) {
     if (bk.m >= bk.last2) return;
-    const int64_t te = bk.tok0 + se * sb_rows + int64_t(job - 2) * kGlRows, ld = int64_t(p.H) * K;
+    const int64_t te = bk.tok0 + se * bk.sb_rows + int64_t(bk.job - 2) * kGlRows, ld = int64_t(p.H) * K;
     stage_ps<K>(PSs, ps_of(so));
     float y[K / 8][4];
     load_rows<float, K>(x, p2.dks + (te * p.H + h) * K, ld, kGlRows);
@@ -247,18 +267,16 @@ __global__ void __launch_bounds__(kGlThreads, 1) glue_bwd_kernel(const __grid_co
     ps_product<K, false, true>(x, PSs);  // dks2 PS_{2m+1}
     put_rows<1, float, K>(x, p.dks + (te * p.H + h) * K, ld, kGlRows);
   } else {
-    if (bk.m < 1) return;
-    const int jq = job - 2 - tiles, hq = h * p.group + jq / tiles;
-    const int po = int(so * sb_rows) + (jq % tiles) * kGlRows, vo = min(max(bk.len - po, 0), kGlRows);
-    if (so > bk.last_sb || vo == 0) return;
-    const int64_t ld = int64_t(p.HQ) * K, ro = ((bk.tok0 + po) * p.HQ + hq) * K;
+    const QueryTile qt = odd_query_tile<K>(p, bk, 2 + bk.tiles);
+    if (bk.m < 1 || qt.rows == 0) return;
+    const int64_t ld = int64_t(p.HQ) * K;
     stage_ps<K>(PSs, ps_of(se));
     float y[K / 8][4];
-    load_rows<float, K>(x, p2.dqt + ro, ld, vo);
-    load_rows<T, K>(y, static_cast<const T*>(p.qhat) + ro, ld, vo);
+    load_rows<float, K>(x, p2.dqt + qt.at, ld, qt.rows);
+    load_rows<T, K>(y, static_cast<const T*>(p.qhat) + qt.at, ld, qt.rows);
     add_outer<T, K>(y, x, As, Bs, red, dps_of(se));  // qhat^T dqt2
     ps_product<K, true, true>(x, PSs);  // dqt2 PS_{2m}^T
-    put_rows<1, float, K>(x, p.dqt + ro, ld, vo);
+    put_rows<1, float, K>(x, p.dqt + qt.at, ld, qt.rows);
   }
 #endif
 }
