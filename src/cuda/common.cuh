@@ -646,11 +646,11 @@ __device__ __forceinline__ void red_add_frag_v4(float* dst, int ld, int r0, int 
 #endif
 }
 
-// dst[r * ld + c] += every output of an M x N accumulator (fp32 global, rows 16-byte aligned, ld a multiple of
+// dst[r * ld + c] += scale x every output of an M x N accumulator (fp32 global, rows 16-byte aligned, ld a multiple of
 // 4), a fragment at a time by red_add_frag_v4 (on sm_90 vector reductions, which bound the superblock
 // backward's dP adds as scalar atomics).
 template <int M, int N>
-__device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile<M, N>::Acc& acc) {
+__device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile<M, N>::Acc& acc, float scale = 1.f) {
   using TT = TcTile<M, N>;
   int wm, wn;
   TT::coords(threadIdx.x >> 5, wm, wn);
@@ -658,7 +658,7 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
   for (int mi = 0; mi < TT::MPW; ++mi)
 #pragma unroll
     for (int nt = 0; nt < TT::NTW; ++nt)
-      red_add_frag_v4(dst, ld, 16 * (wm + TT::WM * mi), 8 * (wn * TT::NTW + nt), acc[mi][nt], 1.f);
+      red_add_frag_v4(dst, ld, 16 * (wm + TT::WM * mi), 8 * (wn * TT::NTW + nt), acc[mi][nt], scale);
 }
 
 // The chunk kernels' k-loop unroll (mma_tc_acc's kU): 4 at K = 64; 2 at K = 128, where 4 raised bwd_chunk's
@@ -780,10 +780,11 @@ __device__ __forceinline__ void mma_tc_acc(typename TcTile<M, N>::Acc& acc, FA a
 }
 
 // acc += A B over this thread's outputs (TcTile's layout, no synchronisation) for 16-bit operands in shared memory
-// (type E): A stored [m][k] (leading dim lda), B stored [n][k] (ldb), both 16-byte aligned rows. m16n8k16 mma with
-// ldmatrix fragments, k over the warp's part of `span` in steps of 16: for products whose operands are the
-// inputs themselves (exact in E), where the tf32 path would load, convert and multiply them element by element.
-template <int M, int N, int KD, typename E>
+// (type E): A stored [m][k] (leading dim lda; TA: [k][m]), B stored [n][k] (ldb; TB: [k][n]), 16-byte aligned
+// rows. m16n8k16 mma with ldmatrix fragments (.trans for the stored-transposed operands), k over the warp's part
+// of `span` in steps of 16: for products whose operands are the inputs themselves (exact in E), or fp16 copies
+// scaled into its range, where the tf32 path would load, convert and multiply them element by element.
+template <int M, int N, int KD, typename E, bool TA = false, bool TB = false>
 __device__ __forceinline__ void mma_tc_acc16(typename TcTile<M, N>::Acc& acc, const E* A, int lda, const E* B,
                                              int ldb, KSpan span = kFull) {
   using TT = TcTile<M, N>;
@@ -796,10 +797,12 @@ __device__ __forceinline__ void mma_tc_acc16(typename TcTile<M, N>::Acc& acc, co
   klo &= ~15;
   khi = (khi + 15) & ~15;
   if (khi <= klo) return;
+  const E* const a0 = A + (TA ? klo * lda : klo);
+  const E* const b0 = B + (TB ? klo * ldb : klo);
 #pragma unroll
   for (int mi = 0; mi < MPW; ++mi)
-    warp_mma_ss<E, 1, NTW, false, false>(*reinterpret_cast<float(*)[1][NTW][4]>(&acc[mi]), A + klo, lda,
-                                         16 * (wm + WM * mi), B + klo, ldb, 8 * wn * NTW, khi - klo);
+    warp_mma_ss<E, 1, NTW, TA, TB>(*reinterpret_cast<float(*)[1][NTW][4]>(&acc[mi]), a0, lda, 16 * (wm + WM * mi), b0,
+                                   ldb, 8 * wn * NTW, khi - klo);
 }
 
 // out2(r, c, v, w) with v, w the sums sum_k a1(r, k) b1(k, c') + sum_k a2(r, k) b2(k, c') at c' = c and c + 1 (c

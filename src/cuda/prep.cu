@@ -475,12 +475,21 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
 // before), so that the dP product reads its A operand from shared memory rather than from L2 inside its k loop.
 // Its products take the plain warp index (kUW false, as bwd_chunk's): the shuffled one saved registers here but
 // ran 1 .. 2% slower (dev/cuda/NOTES.md v3.47).
+// kF16 (kStageM with row blocks of 64 rows or more): R stays in registers (fp32, TcTile<MR, K>'s layout) and
+// reaches shared memory as an fp16 copy R16 scaled by one power of two for the block (its largest entry into
+// [0.5, 1), as bwd_q stages dP / dPS), so that the dP and Y products (and Y's into R, on Y16 = Y in that scale)
+// run on m16n8k16 with ldmatrix fragments: M_c, W and W2 are fp16 already. dks^T k~ stays tf32 (k~ is in the
+// input type).
 template <int K, int MR, int kMode>
 struct SuperBwdSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
   static constexpr size_t set = 3 * 2 * size_t(kChunk) * LT;  // a chunk's k~, W and W2 tiles
-  static constexpr size_t base = sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM);
-  static constexpr bool kPrefetch = kMode >= 1, kStageM = kMode == 2;
+  static constexpr bool kPrefetch = kMode >= 1, kStageM = kMode == 2, kF16 = kStageM && MR >= 64;
+  static constexpr int LR = K + 8, LY16 = kChunk + 8;  // R16's and Y16's pitches (halves)
+  // Rf [MR][LM], Yf [MR][LY] (kF16: R16 [MR][LR], Y16 [MR][LY16] fp16), dKs [64][LM].
+  static constexpr size_t base =
+      kF16 ? sizeof(float) * size_t(kChunk) * LM + sizeof(__half) * (size_t(MR) * LR + size_t(MR) * LY16)
+           : sizeof(float) * (size_t(MR) * LM + size_t(MR) * LY + size_t(kChunk) * LM);
   static constexpr int LMS = K + 8;  // Ms's pitch (halves): a fragment's (row, k) reads fall in 16 words
   static constexpr size_t ms = kStageM ? sizeof(__half) * size_t(MR) * LMS : 0;
   static constexpr size_t bytes = base + (kPrefetch ? 2 : 1) * set + ms;
@@ -489,12 +498,16 @@ struct SuperBwdSmem {
 template <typename T, int K, int MR, int kMode>
 __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams p, int nitems) {
   using S = SuperBwdSmem<K, MR, kMode>;
-  constexpr int LM = S::LM, LY = S::LY, LT = S::LT, NB = K / MR;
+  constexpr int LM = S::LM, LY = S::LY, LT = S::LT, LR = S::LR, LY16 = S::LY16, NB = K / MR;
+  constexpr bool kF16 = S::kF16;
   extern __shared__ float sm[];
-  float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of R
-  float* Yf = Rf + MR * LM;
-  float* dKs = Yf + MR * LY;      // [64][LM] dks of one chunk
-  uint8_t* sets = reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
+  float* Rf = sm;                 // rows j0 .. j0 + MR - 1 of R (not kF16)
+  float* Yf = Rf + MR * LM;       // (not kF16)
+  float* dKs = kF16 ? sm : Yf + MR * LY;  // [64][LM] dks of one chunk
+  __half* R16 = reinterpret_cast<__half*>(dKs + kChunk * LM);  // kF16: [MR][LR]
+  __half* Y16 = R16 + MR * LR;                                 // kF16: [MR][LY16]
+  uint8_t* sets = kF16 ? reinterpret_cast<uint8_t*>(Y16 + MR * LY16)
+                       : reinterpret_cast<uint8_t*>(dKs + kChunk * LM);  // per set: k~, W, W2 ([64][LT] each)
   __half* Ms = reinterpret_cast<__half*>(sets + (S::kPrefetch ? 2 : 1) * S::set);  // [MR][LMS] M_c (kStageM)
   auto kt_of = [&](int st) { return reinterpret_cast<T*>(sets + st * S::set); };
   auto w_of = [&](int st) { return reinterpret_cast<__half*>(kt_of(st) + kChunk * LT); };  // W2 follows W
@@ -505,6 +518,27 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   const int loads = p.sc - 1;
   auto set_of = [](int i) { return S::kPrefetch ? (i & 1) : 0; };
   static_assert(kPrepThreads >= 3 * kTileThreads, "super_bwd: one thread group per tile");
+  // kF16: this thread's entries of R (fp32), and R16 = R 2^-e for the block's e (every thread's part written;
+  // the block's maximum through one barrier); returns 2^e.
+  using TR = TcTile<MR, K>;
+  __shared__ float rmax[kTcWarps];
+  auto publish_r = [&](typename TR::Acc& rv) {
+    float mx = 0.f;
+    TR::each(rv, [&](int, int, float& v) { mx = fmaxf(mx, fabsf(v)); });
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((tid & 31) == 0) rmax[tid >> 5] = mx;
+    __syncthreads();
+    mx = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) mx = fmaxf(mx, rmax[w]);
+    const int e = scale_exp(mx);
+    const float down = ldexpf(1.f, -e);
+    TR::each_pair(rv, [&](int r, int n, float& v, float& w) {
+      *reinterpret_cast<__half2*>(R16 + r * LR + n) = __floats2half2_rn(v * down, w * down);
+    });
+    return ldexpf(1.f, e);
+  };
 
   for (int it = blockIdx.x; it < nitems * NB; it += gridDim.x) {
     const int j0 = (it % NB) * MR, item = it / NB;
@@ -558,7 +592,18 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       if (loads > 0) issue(0);
     }
     const float* dps = p.dps + (int64_t(sbi) * p.H + h) * K * K + int64_t(j0) * K;
-    for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
+    typename TR::Acc rv;  // kF16: this thread's entries of R
+    float up = 1.f;       // kF16: R = R16 up
+    if constexpr (kF16) {
+      TR::each_pair(rv, [&](int r, int n, float& v, float& w) {
+        const float2 x = *reinterpret_cast<const float2*>(dps + r * K + n);
+        v = x.x;
+        w = x.y;
+      });
+      up = publish_r(rv);
+    } else {
+      for (int idx = tid; idx < MR * K; idx += blockDim.x) Rf[(idx / K) * LM + idx % K] = dps[idx];
+    }
     if constexpr (S::kStageM) issue_m(0);
     for (int c = 0; c < p.sc; ++c) {
       __syncthreads();
@@ -581,7 +626,13 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
         else return __half2float(Mit[size_t(c) * K * K + size_t(k) * K + r]);
       };
       float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
-      if constexpr (NB == 1) {
+      if constexpr (kF16) {  // dP_c += (M_c^T R16) up
+        typename TcTile<K, K>::Acc acc;
+        TcTile<K, K>::zero(acc);
+        mma_tc_acc16<K, K, MR, __half, true, true>(acc, Ms, S::LMS, R16, LR);
+        if constexpr (NB == 1) TcTile<K, K>::each(acc, [&](int r, int n, float& v) { dP[r * K + n] += v * up; });
+        else red_add_tile<K, K>(dP, K, acc, up);
+      } else if constexpr (NB == 1) {
         block_mm_tc<K, K, MR, false, 4, false>(mct, [&](int k, int n) { return Rf[k * LM + n]; },
                                                [&](int r, int n, float v) { dP[r * K + n] += v; });
       } else {  // the row blocks' partials: vector reductions (no barrier needed: the operands stay as they are)
@@ -597,6 +648,31 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       const T* Kt = kt_of(set_of(i));
       const __half* Ws = w_of(set_of(i));
       const __half* W2s = Ws + kChunk * LT;
+      if constexpr (kF16) {
+        // Y16 = R16 W2^T (R's scale); R += -(Y16 W) up + dks^T k~; R16 again.
+        {
+          typename TcTile<MR, kChunk>::Acc y;
+          TcTile<MR, kChunk>::zero(y);
+          mma_tc_acc16<MR, kChunk, K, __half>(y, R16, LR, W2s, LT);
+          TcTile<MR, kChunk>::each_pair(y, [&](int r, int n, float& v, float& w) {
+            *reinterpret_cast<__half2*>(Y16 + r * LY16 + n) = __floats2half2_rn(v, w);
+          });
+        }
+        __syncthreads();
+        typename TR::Acc acc;
+        TR::zero(acc);
+        mma_tc_acc16<MR, K, kChunk, __half, false, true>(acc, Y16, LY16, Ws, LT);
+        TR::each(acc, [&](int, int, float& v) { v *= -up; });
+        mma_tc_acc<MR, K, kChunk, false, 4, false>(acc, [&](int r, int k) { return dKs[k * LM + j0 + r]; },
+                                                   [&](int k, int n) { return to_f(Kt[k * LT + n]); });
+#pragma unroll
+        for (int mi = 0; mi < TR::MPW; ++mi)
+#pragma unroll
+          for (int nt = 0; nt < TR::NTW; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rv[mi][nt][e] += acc[mi][nt][e];
+        up = publish_r(rv);
+      } else {
       block_mm_tc<MR, kChunk, K, false, 4, false>(a_rows(static_cast<const float*>(Rf), LM), b_rows(W2s, LT),
                                                   [&](int r, int n, float v) { Yf[r * LY + n] = v; });
       __syncthreads();
@@ -604,6 +680,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
           a_rows<true>(static_cast<const float*>(Yf), LY), [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
           [&](int r, int k) { return dKs[k * LM + j0 + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
           [&](int r, int n, float v) { Rf[r * LM + n] += v; });
+      }
     }
   }
 }
