@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/kernel_params.h"
 #include "cuda/kspan.h"
@@ -30,6 +31,17 @@ template <> struct Pack2<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
 };
+// (a, b) rounded to T (head, the packed pair returned) and what that rounding left (tail, packed in T too): head +
+// tail holds about twice T's significand, with T's range.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_split(float a, float b, uint32_t& tail) {
+  const uint32_t head = Pack2<T>::pack(a, b);
+  float2 h;
+  if constexpr (std::is_same_v<T, __half>) h = __half22float2(*reinterpret_cast<const __half2*>(&head));
+  else h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&head));
+  tail = Pack2<T>::pack(a - h.x, b - h.y);
+  return head;
+}
 
 template <typename T> struct IsHalf { static constexpr bool value = false; };
 template <> struct IsHalf<__half> { static constexpr bool value = true; };
@@ -216,6 +228,35 @@ __device__ __forceinline__ void warp_mma_rs(float (&acc)[NT][4], const float (&s
   }
 }
 
+// warp_mma_rs with the A tile split into a head and a tail in E (pack2_split): two products, head then tail at
+// each step, so about twice E's significand from A (an fp32 tile against 16-bit B, where tf32 would keep 11 bits).
+template <typename E, int KT, int NT, bool TB>
+__device__ __forceinline__ void warp_mma_rs_split(float (&acc)[NT][4], const float (&src)[2 * KT][4], const E* B,
+                                                  int ldb, int n0) {
+  static_assert(NT % 2 == 0, "NT must be even");
+  const int lane = threadIdx.x & 31, mat = lane >> 3, i = lane & 7;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t a[4], al[4];
+    a[0] = pack2_split<E>(src[2 * kt][0], src[2 * kt][1], al[0]);
+    a[1] = pack2_split<E>(src[2 * kt][2], src[2 * kt][3], al[1]);
+    a[2] = pack2_split<E>(src[2 * kt + 1][0], src[2 * kt + 1][1], al[2]);
+    a[3] = pack2_split<E>(src[2 * kt + 1][2], src[2 * kt + 1][3], al[3]);
+    const int k0 = 16 * kt;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+      const int nb = n0 + 8 * nt;
+      uint32_t b[4];
+      if (!TB) ldsm_x4(b, B + (nb + i + (mat >> 1) * 8) * ldb + k0 + (mat & 1) * 8);
+      else ldsm_x4_t(b, B + (k0 + i + (mat & 1) * 8) * ldb + nb + (mat >> 1) * 8);
+      mma16816<E>(acc[nt], a, b[0], b[1]);
+      mma16816<E>(acc[nt + 1], a, b[2], b[3]);
+      mma16816<E>(acc[nt], al, b[0], b[1]);
+      mma16816<E>(acc[nt + 1], al, b[2], b[3]);
+    }
+  }
+}
+
 template <int MT, int NT>
 __device__ __forceinline__ void zero_acc(float (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -239,29 +280,6 @@ __device__ __forceinline__ void add_acc(float (&acc)[NT][4], const float (&x)[NT
   for (int b = 0; b < NT; ++b)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[b][c] += x[b][c];
-}
-
-// tf32 warp tile with A from registers: a warp's 16 x (8 KT) fp32 tile `src` (C layout, KT n-tiles) times B
-// (fp16 or bf16 in shared memory, exact in tf32; TB as in warp_mma_ss), accumulated into acc. The C layout gives
-// a lane columns 2t, 2t + 1 of each 8-column block where the tf32 A fragment wants t, t + 4, so the inner index
-// runs permuted within each block of 8 (t <-> 2t, t + 4 <-> 2t + 1) in both operands: the same sum, no shuffles.
-template <int KT, int NT, bool TB, typename E>
-__device__ __forceinline__ void warp_mma_rr_tf32(float (&acc)[NT][4], const float (&src)[KT][4], const E* B,
-                                                 int ldb, int n0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    const uint32_t a[4] = {to_tf32(src[kt][0]), to_tf32(src[kt][2]), to_tf32(src[kt][1]), to_tf32(src[kt][3])};
-    const int k = 8 * kt + 2 * t;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int n = n0 + 8 * nt + g;
-      float2 b;
-      if constexpr (TB) b = make_float2(to_f(B[k * ldb + n]), to_f(B[(k + 1) * ldb + n]));
-      else b = pair_f(B + n * ldb + k);
-      mma1688_tf32(acc[nt], a, __float_as_uint(b.x), __float_as_uint(b.y));
-    }
-  }
 }
 
 // The smallest power of two a row (or tile) scaled into [-1, 1) is divided by (2^120 and 2^-120 are normal

@@ -299,8 +299,10 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
 // evolve apart (right products) and row n of M gives column n of ks_c, so each warp owns 16 rows of M in
 // registers (C layout, fp32), steps them on fp16 mma with M and y = M W^T rounded to fp16 as operands (as
 // fwd_scan steps its queries: their entries are bounded by 1 for unit w and beta in [0, 2], and fp16 keeps tf32's
-// 10-bit mantissa), and computes its 16 columns of ks_c as M_rows k~_c^T in tf32 (warp_mma_rr_tf32: k~ is in the
-// input type, which M would have to share on a 16-bit mma): no CTA barrier inside a chunk step, one per
+// 10-bit mantissa), and computes its 16 columns of ks_c as M_rows k~_c^T on 16-bit mma in the input type (k~'s):
+// M in fp16 with fp16 inputs, split into a bf16 head and tail with bf16 inputs (warp_mma_rs_split: about 16
+// significant bits of M, where tf32 kept 11; until v3.67 tf32 with k~'s elements through scalar loads): no CTA
+// barrier inside a chunk step, one per
 // step for the chunk tiles (two sets, the next chunk's loading by cp.async while this chunk's products run).
 // An item may run as K / RB CTAs of RB / 16 warps (super_rows): the chain is serial (8 chunk steps an item),
 // and a call with few items (one kv head of a sliced call: 32 items at T = 1k) would leave most SMs idle,
@@ -415,8 +417,15 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     float ks[kChunk / 8][4], y[kChunk / 8][4];
     zero_acc(ks);
     zero_acc(y);
+    // ks's product over KT2 steps of 16 of M's columns: M in fp16 with fp16 k~ (M's entries are at most 1:
+    // fp16's significand is tf32's), split into a bf16 head and tail with bf16 k~.
+    auto ks_product = [&](float(&acc)[kChunk / 8][4], const auto& src, const T* B) {
+      constexpr int KT2 = int(sizeof(src) / sizeof(src[0])) / 2;
+      if constexpr (std::is_same_v<T, __half>) warp_mma_rs<__half, KT2, kChunk / 8, false>(acc, src, 1.f, B, LT, 0);
+      else warp_mma_rs_split<T, KT2, kChunk / 8, false>(acc, src, B, LT, 0);
+    };
     if constexpr (kSplit == 2) {
-      if constexpr (kKs) warp_mma_rr_tf32<KH / 8, kChunk / 8, false>(ks, M, Kt + c0k, LT, 0);
+      if constexpr (kKs) ks_product(ks, M, Kt + c0k);
       warp_mma_rs<__half, KH / 16, kChunk / 8, false>(y, M, 1.f, Ws + c0k, LT, 0);
       exchange(ks, y);
     } else {  // the split's arithmetic: the column halves apart, then their sum
@@ -425,9 +434,9 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
       Half hi = *reinterpret_cast<const float(*)[K / 16][4]>(&M[K / 16][0]);
       float part[kChunk / 8][4];
       if constexpr (kKs) {
-        warp_mma_rr_tf32<K / 16, kChunk / 8, false>(ks, lo, Kt, LT, 0);
+        ks_product(ks, lo, Kt);
         zero_acc(part);
-        warp_mma_rr_tf32<K / 16, kChunk / 8, false>(part, hi, Kt + K / 2, LT, 0);
+        ks_product(part, hi, Kt + K / 2);
         add_acc(ks, part);
       }
       warp_mma_rs<__half, K / 32, kChunk / 8, false>(y, lo, 1.f, Ws, LT, 0);
