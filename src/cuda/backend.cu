@@ -429,7 +429,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     PA_CU(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin));
     sb_rows = super_bwd_rows(int(K), kp.nsuper * int(H), p.deterministic, sms, optin);
     // PATHATTN_CUDA_SUPER_BWD_ROWS=32|64|128 (at most K; not in deterministic mode, whose fixed order needs all K
-    // rows in one block): the row block for kernel work.
+    // rows in one block): the row block for kernel work (dev/cuda/NOTES.md v3.67: 128 at K = 128 measured slower).
     if (const char* rows_env = std::getenv("PATHATTN_CUDA_SUPER_BWD_ROWS"); rows_env != nullptr && !p.deterministic) {
       const int v = std::atoi(rows_env);
       if ((v == 32 || v == 64 || v == 128) && v <= int(K)) sb_rows = v;
@@ -623,7 +623,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
 
   Profile prof(s, "bwd");
   if (pr.gate) PA_CU(launch_gate_cumsum(kp, seq_first, nseqs, s));
-  PA_CU(launch_chunk_prep(kp, dt, s, lsd));  // and delta
+  PA_CU(launch_chunk_prep(kp, dt, s));
+  PA_CU(launch_bwd_delta(kp, lsd, dt, s));
   prof.mark("gate+chunk_prep+delta");
   PA_CU(launch_super_prep(kp, dt, s));
   prof.mark("super_prep");

@@ -16,8 +16,8 @@
 // dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a tile, as bwd_q_far stages gbar);
 // it then runs before bwd_q's last launch, which adds its diagonal dv to this one's (dev/cuda/NOTES.md v3.39).
 // Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
-// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from the backward's chunk_prep: delta_row in
-// prep.cu). Every output row has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
+// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from bwd_delta in prep.cu). Every output row
+// has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
 // keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
 #include <algorithm>
 #include <climits>

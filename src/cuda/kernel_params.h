@@ -95,9 +95,7 @@ struct KernelParams {
   float* ofar;      // [NT, HQ, V]  output over the keys of the own superblock, normalized (null: no split; aloc at V = 64)
   float* lsefar;    // [NT, HQ]     its log2-sum-exp of the scaled scores (base 2)
   // Backward workspace.
-  float* delta;     // [NT, HQ]     rowsum(dO * O), by the backward's chunk_prep (launch_chunk_prep sets the two below)
-  float2* delta_lsd;  // [HQ, nchunks, 64] the fused far kernel's per-row scalars, written with delta (or null)
-  int delta_vec;      // delta's loads: 1 = one 16-byte load of O and of dO a lane (V / 8 lanes a row), 0 = a warp a row
+  float* delta;     // [NT, HQ]     rowsum(dO * O)
   float* dqt;       // [NT, HQ, K]  gradient w.r.t. the chunk-start queries
   float* dvdiag;    // [NT, HQ, V]  diagonal-chunk P^T dO per query head (bwd_k adds it into dv)
   float* dgrow;     // [NT, HQ]     gate-gradient terms owned by query rows (+ diagonal columns); bwd_q_far writes

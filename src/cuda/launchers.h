@@ -16,10 +16,8 @@ inline cudaError_t device_attr(cudaDeviceAttr a, int* v) {
 }
 
 // dtype code of q/k/v: 0 = fp16, 1 = bf16.
-// Per (chunk, kv head): UT transform in fp32; writes w16, w2h, kt and per query head qtl, aloc. In the backward
-// (p.dP set) also delta = rowsum(dO * O) for the chunk's rows and query heads, and with lsd (launch_bwd_k_far's, or
-// null) their per-row scalars too.
-cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s, float2* lsd = nullptr);
+// Per (chunk, kv head): UT transform in fp32; writes w16, w2h, kt and per query head qtl, aloc.
+cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s);
 // Per (full superblock, kv head): keys moved to the superblock's end (ks) and the superblock product (ps); where
 // p.msv is set, also the running products M_c; with `ks` false those only.
 cudaError_t launch_super_prep(const KernelParams& p, int dtype, cudaStream_t s, bool ks = true);
@@ -45,6 +43,9 @@ cudaError_t launch_fwd_scan(const KernelParams& p, const int32_t* pairs, int npa
 // fwd_far_usable: this build and device run it and p's shapes and strides suit its TMA tiles.
 bool fwd_far_usable(const KernelParams& p);
 cudaError_t launch_fwd_far(const KernelParams& p, const int32_t* tiles, int ntiles, int dtype, cudaStream_t s);
+// Backward: delta = rowsum(dO * O) for the rows of p's chunk table, and with lsd (launch_bwd_k_far's, or null)
+// its per-row scalars too.
+cudaError_t launch_bwd_delta(const KernelParams& p, float2* lsd, int dtype, cudaStream_t s);
 // Query-side pass (dqt, dP, diagonal terms); grid = persistent CTA count (scratch slots); `next`: the launch's
 // item counter (zeroed; unused in deterministic mode, which counts after p.tickets).
 cudaError_t launch_bwd_q(const KernelParams& p, int dtype, int grid, int nitems, int* next, cudaStream_t s);
@@ -61,7 +62,7 @@ cudaError_t launch_bwd_q_far(const KernelParams& p, const int32_t* tiles, int nt
 // Key side's far part on sm_90a (bwd_k_far.cu), after bwd_q (qhat): per (tile of the two chunks of a superblock
 // pair with later superblocks in their sequence, kv head), writes dks and the far part of dv (into dvk, or added
 // into dvdiag where p.dvk_merged()); bwd_k then runs with p.kfar set. `tiles`: each tile's first (even) chunk's
-// table index, most work first; lsd: [HQ][nchunks][64] float2 (filled by launch_chunk_prep); the parked key
+// table index, most work first; lsd: [HQ][nchunks][64] float2 (filled by launch_bwd_delta); the parked key
 // states go to p.scratch (bwd_k_far_park_elems 16-bit elements for park_slots >= 1 states in all), CTA c's from
 // state park_first[c] on (a device copy of far_park_first's table); grid from far_grid; `next` a zeroed int (its
 // item counter).

@@ -269,76 +269,14 @@ __device__ __forceinline__ void zero_f32(float* dst, int n, int tid, int nthread
   for (int i = 4 * tid; i < n; i += 4 * nthreads) *reinterpret_cast<float4*>(dst + i) = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// delta = sum_v dO * O (fp32) of one row of the chunk table (chunk ci's row r, query head hq), by a group of lpr
-// lanes (part: this lane's index in it); where p.delta_lsd is given (the backward's far key kernel runs), also
-// delta_lsd[hq][ci][r] = ((lse - gate_scale G) log2(e), delta), and (+inf, 0) past the sequence, so that P = 0
-// there. kVec: lpr = V / 8, one 16-byte load of each tensor a lane (8 elements); else lpr = 32 with 2-byte loads
-// (rows or strides not 16-byte aligned). The group's lanes are reduced by shuffles: every lane of the warp calls
-// it (valid false: a lane past the rows, which stores nothing).
-template <typename T, bool kVec>
-__device__ __forceinline__ void delta_row(const KernelParams& p, int ci, int r, int hq, int part, bool valid) {
-  constexpr int kLanes = 32;
-  const int lpr = kVec ? p.V / 8 : kLanes;
-  float s = 0.f;
-  bool in = false;
-  int64_t tok = 0, pos = 0, b = 0;
-  if (valid) {
-    const ChunkDesc ch = p.chunks[ci];
-    in = ch.c * kChunk + r < ch.len;
-    b = ch.b;
-    pos = ch.t0 + int64_t(ch.c) * kChunk + r;
-    tok = b * p.T + pos;
-  }
-  if (in) {
-    const T* o = static_cast<const T*>(p.o) + b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
-    const T* d = static_cast<const T*>(p.dout) + b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2];
-    if constexpr (kVec) {
-      const uint4 ov = __ldg(reinterpret_cast<const uint4*>(o) + part);
-      const uint4 dv = __ldg(reinterpret_cast<const uint4*>(d) + part);
-      const T* oe = reinterpret_cast<const T*>(&ov);
-      const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s += to_f(oe[e]) * to_f(de[e]);
-    } else {
-      for (int e = part; e < p.V; e += kLanes) s += to_f(o[e]) * to_f(d[e]);
-    }
-  }
-  for (int off = lpr / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (part != 0 || !valid) return;
-  if (in) p.delta[tok * p.HQ + hq] = s;
-  if (p.delta_lsd != nullptr) {
-    float2 v = make_float2(INFINITY, 0.f);
-    if (in)
-      v = make_float2((p.lse[b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] -
-                       (p.gate ? p.gate_scale * p.G[tok * p.HQ + hq] : 0.f)) * 1.4426950408889634f,
-                      s);
-    p.delta_lsd[(int64_t(hq) * p.nchunks + ci) * kChunk + r] = v;
-  }
-}
-
-// The backward's chunk_prep: delta for the 64 rows of chunk ci and the query heads of kv head h (rows r, heads
-// side by side, as o, dO and delta hold them), lpr lanes a row; every thread runs the same trips.
-template <typename T>
-__device__ __forceinline__ void chunk_delta(const KernelParams& p, int ci, int h) {
-  const int lpr = p.delta_vec ? p.V / 8 : 32, rows = kChunk * p.group;
-  for (int base = 0; base < rows * lpr; base += kPrepThreads) {
-    const int idx = base + int(threadIdx.x), rr = idx / lpr, part = idx % lpr;
-    const bool valid = rr < rows;
-    const int r = valid ? rr / p.group : 0, hq = h * p.group + (valid ? rr % p.group : 0);
-    if (p.delta_vec) delta_row<T, true>(p, ci, r, hq, part, valid);
-    else delta_row<T, false>(p, ci, r, hq, part, valid);
-  }
-}
-
 template <typename T, int K>
 __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_kernel(KernelParams p) {
   using S = PrepSmem<K>;
   extern __shared__ __align__(16) uint8_t prep_smem[];
   const PrepSet<T, K> set0(prep_smem);
   PA_PROBE(0);
-  if (p.dP != nullptr) {  // the backward: delta; the item's dP block and rows of dks, summed into by later kernels
+  if (p.dP != nullptr) {  // the backward: the item's dP block and rows of dks, summed into by later kernels
     const int ci = int(blockIdx.x) / p.H, h = int(blockIdx.x) % p.H;
-    chunk_delta<T>(p, ci, h);
     if (blockIdx.x == 0 && threadIdx.x < kBwdCounters && p.counters != nullptr) p.counters[threadIdx.x] = 0;
     zero_f32(p.dP + (int64_t(ci) * p.H + h) * K * K, K * K, threadIdx.x, kPrepThreads);
     if (p.dks != nullptr) {
@@ -808,6 +746,56 @@ __global__ void bwd_dg_kernel(KernelParams p, const int32_t* seq_first, int nseq
   }
 }
 
+// delta = sum_v dO * O (fp32) per (token, query head), over the rows of the chunk table (chunk ci's row r, query
+// head hq); where lsd is given (the backward's far key kernel runs), also lsd[hq][ci][r] = ((lse - gate_scale G)
+// log2(e), delta), and (+inf, 0) past the sequence, so that P = 0 there. kVec: V / 8 lanes
+// a row, one 16-byte load of each tensor a lane (8 elements), the row's lanes reduced by shuffles (two or four
+// rows a warp, every load independent); else one warp a row with 2-byte loads (rows or strides not 16-byte
+// aligned).
+template <typename T, bool kVec>
+__global__ void bwd_delta_kernel(KernelParams p, float2* lsd) {
+  const int64_t nrows = int64_t(p.nchunks) * p.HQ * kChunk;
+  const int lpr = kVec ? p.V / 8 : 32;  // lanes a row: 8 or 16 with kVec (V in {64, 128})
+  const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, row = gid / lpr;
+  const int part = int(gid % lpr);
+  // row = (ci 64 + r) HQ + hq: a chunk row's heads side by side, as o, dO and delta hold them.
+  const int hq = int(row % p.HQ), cr = int(row / p.HQ), r = cr % kChunk, ci = cr / kChunk;
+  float s = 0.f;
+  bool in = false;
+  int64_t tok = 0, pos = 0, b = 0;
+  if (row < nrows) {
+    const ChunkDesc ch = p.chunks[ci];
+    in = ch.c * kChunk + r < ch.len;
+    b = ch.b;
+    pos = ch.t0 + int64_t(ch.c) * kChunk + r;
+    tok = b * p.T + pos;
+  }
+  if (in) {
+    const T* o = static_cast<const T*>(p.o) + b * p.o_s[0] + pos * p.o_s[1] + hq * p.o_s[2];
+    const T* d = static_cast<const T*>(p.dout) + b * p.do_s[0] + pos * p.do_s[1] + hq * p.do_s[2];
+    if constexpr (kVec) {
+      const uint4 ov = __ldg(reinterpret_cast<const uint4*>(o) + part);
+      const uint4 dv = __ldg(reinterpret_cast<const uint4*>(d) + part);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s += to_f(oe[e]) * to_f(de[e]);
+    } else {
+      for (int e = part; e < p.V; e += 32) s += to_f(o[e]) * to_f(d[e]);
+    }
+  }
+  for (int off = lpr / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (part != 0 || row >= nrows) return;
+  if (in) p.delta[tok * p.HQ + hq] = s;
+  if (lsd != nullptr) {
+    float2 v = make_float2(INFINITY, 0.f);
+    if (in)
+      v = make_float2((p.lse[b * p.lse_s[0] + pos * p.lse_s[1] + hq * p.lse_s[2]] -
+                       (p.gate ? p.gate_scale * p.G[tok * p.HQ + hq] : 0.f)) * 1.4426950408889634f,
+                      s);
+    lsd[(int64_t(hq) * p.nchunks + ci) * kChunk + r] = v;
+  }
+}
 
 }  // namespace
 
@@ -908,17 +896,9 @@ static cudaError_t prep_t(const KernelParams& p, cudaStream_t s) {
 
 PA_PROBE_TABLE(prep)
 
-cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s, float2* lsd) {
-  KernelParams q = p;
-  if (p.dP != nullptr) {  // the backward: delta (and lsd) from the same launch
-    bool vec = (p.V == 64 || p.V == 128) && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
-               reinterpret_cast<uintptr_t>(p.dout) % 16 == 0;
-    for (int d = 0; d < 3; ++d) vec = vec && p.o_s[d] % 8 == 0 && p.do_s[d] % 8 == 0;
-    q.delta_vec = vec ? 1 : 0;
-    q.delta_lsd = lsd;
-  }
-  if (dtype == 0) return p.K == 64 ? prep_t<__half, 64>(q, s) : prep_t<__half, 128>(q, s);
-  return p.K == 64 ? prep_t<__nv_bfloat16, 64>(q, s) : prep_t<__nv_bfloat16, 128>(q, s);
+cudaError_t launch_chunk_prep(const KernelParams& p, int dtype, cudaStream_t s) {
+  if (dtype == 0) return p.K == 64 ? prep_t<__half, 64>(p, s) : prep_t<__half, 128>(p, s);
+  return p.K == 64 ? prep_t<__nv_bfloat16, 64>(p, s) : prep_t<__nv_bfloat16, 128>(p, s);
 }
 
 cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s) {
@@ -930,6 +910,24 @@ cudaError_t launch_gate_cumsum(const KernelParams& p, const int32_t* seq_first, 
 cudaError_t launch_bwd_dg(const KernelParams& p, const int32_t* seq_first, int nseqs, cudaStream_t s) {
   const int warps = nseqs * p.HQ, threads = 256;
   bwd_dg_kernel<<<(warps * 32 + threads - 1) / threads, threads, 0, s>>>(p, seq_first, nseqs);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_bwd_delta(const KernelParams& p, float2* lsd, int dtype, cudaStream_t s) {
+  const int64_t rows = int64_t(p.nchunks) * p.HQ * kChunk;
+  if (rows == 0) return cudaSuccess;
+  bool vec = (p.V == 64 || p.V == 128) && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(p.dout) % 16 == 0;
+  for (int d = 0; d < 3; ++d) vec = vec && p.o_s[d] % 8 == 0 && p.do_s[d] % 8 == 0;
+  const int threads = 256;
+  const int64_t blocks = (rows * (vec ? p.V / 8 : 32) + threads - 1) / threads;
+  if (dtype == 0) {
+    if (vec) bwd_delta_kernel<__half, true><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+    else bwd_delta_kernel<__half, false><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+  } else {
+    if (vec) bwd_delta_kernel<__nv_bfloat16, true><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+    else bwd_delta_kernel<__nv_bfloat16, false><<<unsigned(blocks), threads, 0, s>>>(p, lsd);
+  }
   return cudaGetLastError();
 }
 
