@@ -202,46 +202,25 @@ __device__ __forceinline__ void warp_mma_ss(float (&acc)[MT][NT][4], const E* A,
 }
 
 // Same with A taken from registers: a warp's 16 x (16 KT) accumulator tile `src` (C layout, NT2 = 2 KT
-// n-tiles) is rounded to E and used as the A operand (the C layout of two n-tiles is the A layout).
-template <typename E, int KT, int NT, bool TB>
+// n-tiles) is rounded to E and used as the A operand (the C layout of two n-tiles is the A layout). kSplit: A
+// also as what that rounding left, rounded to E (pack2_split), in a second product after the first at each step:
+// about twice E's significand from A (an fp32 tile against 16-bit B, where tf32 would keep 11 bits).
+template <typename E, int KT, int NT, bool TB, bool kSplit = false>
 __device__ __forceinline__ void warp_mma_rs(float (&acc)[NT][4], const float (&src)[2 * KT][4], float src_scale,
                                             const E* B, int ldb, int n0) {
   static_assert(NT % 2 == 0, "NT must be even");
   const int lane = threadIdx.x & 31, mat = lane >> 3, i = lane & 7;
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    uint32_t a[4];
-    a[0] = Pack2<E>::pack(src[2 * kt][0] * src_scale, src[2 * kt][1] * src_scale);
-    a[1] = Pack2<E>::pack(src[2 * kt][2] * src_scale, src[2 * kt][3] * src_scale);
-    a[2] = Pack2<E>::pack(src[2 * kt + 1][0] * src_scale, src[2 * kt + 1][1] * src_scale);
-    a[3] = Pack2<E>::pack(src[2 * kt + 1][2] * src_scale, src[2 * kt + 1][3] * src_scale);
-    const int k0 = 16 * kt;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt += 2) {
-      const int nb = n0 + 8 * nt;
-      uint32_t b[4];
-      if (!TB) ldsm_x4(b, B + (nb + i + (mat >> 1) * 8) * ldb + k0 + (mat & 1) * 8);
-      else ldsm_x4_t(b, B + (k0 + i + (mat & 1) * 8) * ldb + nb + (mat >> 1) * 8);
-      mma16816<E>(acc[nt], a, b[0], b[1]);
-      mma16816<E>(acc[nt + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// warp_mma_rs with the A tile split into a head and a tail in E (pack2_split): two products, head then tail at
-// each step, so about twice E's significand from A (an fp32 tile against 16-bit B, where tf32 would keep 11 bits).
-template <typename E, int KT, int NT, bool TB>
-__device__ __forceinline__ void warp_mma_rs_split(float (&acc)[NT][4], const float (&src)[2 * KT][4], const E* B,
-                                                  int ldb, int n0) {
-  static_assert(NT % 2 == 0, "NT must be even");
-  const int lane = threadIdx.x & 31, mat = lane >> 3, i = lane & 7;
+  auto pack = [&](float x, float y, uint32_t& tail) {
+    if constexpr (kSplit) return pack2_split<E>(x * src_scale, y * src_scale, tail);
+    else return Pack2<E>::pack(x * src_scale, y * src_scale);
+  };
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
     uint32_t a[4], al[4];
-    a[0] = pack2_split<E>(src[2 * kt][0], src[2 * kt][1], al[0]);
-    a[1] = pack2_split<E>(src[2 * kt][2], src[2 * kt][3], al[1]);
-    a[2] = pack2_split<E>(src[2 * kt + 1][0], src[2 * kt + 1][1], al[2]);
-    a[3] = pack2_split<E>(src[2 * kt + 1][2], src[2 * kt + 1][3], al[3]);
+    a[0] = pack(src[2 * kt][0], src[2 * kt][1], al[0]);
+    a[1] = pack(src[2 * kt][2], src[2 * kt][3], al[1]);
+    a[2] = pack(src[2 * kt + 1][0], src[2 * kt + 1][1], al[2]);
+    a[3] = pack(src[2 * kt + 1][2], src[2 * kt + 1][3], al[3]);
     const int k0 = 16 * kt;
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
@@ -251,8 +230,10 @@ __device__ __forceinline__ void warp_mma_rs_split(float (&acc)[NT][4], const flo
       else ldsm_x4_t(b, B + (k0 + i + (mat & 1) * 8) * ldb + nb + (mat >> 1) * 8);
       mma16816<E>(acc[nt], a, b[0], b[1]);
       mma16816<E>(acc[nt + 1], a, b[2], b[3]);
-      mma16816<E>(acc[nt], al, b[0], b[1]);
-      mma16816<E>(acc[nt + 1], al, b[2], b[3]);
+      if constexpr (kSplit) {
+        mma16816<E>(acc[nt], al, b[0], b[1]);
+        mma16816<E>(acc[nt + 1], al, b[2], b[3]);
+      }
     }
   }
 }

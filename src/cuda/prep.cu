@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
 // registers (C layout, fp32), steps them on fp16 mma with M and y = M W^T rounded to fp16 as operands (as
 // fwd_scan steps its queries: their entries are bounded by 1 for unit w and beta in [0, 2], and fp16 keeps tf32's
 // 10-bit mantissa), and computes its 16 columns of ks_c as M_rows k~_c^T on 16-bit mma in the input type (k~'s):
-// M in fp16 with fp16 inputs, split into a bf16 head and tail with bf16 inputs (warp_mma_rs_split: about 16
+// M in fp16 with fp16 inputs, split into a bf16 head and tail with bf16 inputs (warp_mma_rs with kSplit: about 16
 // significant bits of M, where tf32 kept 11; until v3.67 tf32 with k~'s elements through scalar loads): no CTA
 // barrier inside a chunk step, one per
 // step for the chunk tiles (two sets, the next chunk's loading by cp.async while this chunk's products run).
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(2 * RB * kSplit) super_prep_kernel(KernelParam
     auto ks_product = [&](float(&acc)[kChunk / 8][4], const auto& src, const T* B) {
       constexpr int KT2 = int(sizeof(src) / sizeof(src[0])) / 2;
       if constexpr (std::is_same_v<T, __half>) warp_mma_rs<__half, KT2, kChunk / 8, false>(acc, src, 1.f, B, LT, 0);
-      else warp_mma_rs_split<T, KT2, kChunk / 8, false>(acc, src, B, LT, 0);
+      else warp_mma_rs<T, KT2, kChunk / 8, false, true>(acc, src, 1.f, B, LT, 0);
     };
     if constexpr (kSplit == 2) {
       if constexpr (kKs) ks_product(ks, M, Kt + c0k);
