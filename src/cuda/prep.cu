@@ -533,9 +533,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   __shared__ float rmax[kTcWarps];
   auto publish_r = [&](typename TR::Acc& rv) {
     float mx = 0.f;
-    TR::each(rv, [&](int, int, float& v) { mx = fmaxf(mx, fabsf(v)); });
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int mi = 0; mi < TR::MPW; ++mi) mx = fmaxf(mx, warp_abs_max(rv[mi]));
     if ((tid & 31) == 0) rmax[tid >> 5] = mx;
     __syncthreads();
     mx = 0.f;
@@ -675,11 +674,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
         mma_tc_acc<MR, K, kChunk, false, 4, false>(acc, [&](int r, int k) { return dKs[k * LM + j0 + r]; },
                                                    [&](int k, int n) { return to_f(Kt[k * LT + n]); });
 #pragma unroll
-        for (int mi = 0; mi < TR::MPW; ++mi)
-#pragma unroll
-          for (int nt = 0; nt < TR::NTW; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) rv[mi][nt][e] += acc[mi][nt][e];
+        for (int mi = 0; mi < TR::MPW; ++mi) add_acc(rv[mi], acc[mi]);
         up = publish_r(rv);
       } else {
       block_mm_tc<MR, kChunk, K, false, 4, false>(a_rows(static_cast<const float*>(Rf), LM), b_rows(W2s, LT),
