@@ -1,5 +1,5 @@
 // cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
-// accumulation). It takes E from the backward's chunk_prep (p.E, fp32) and W2 from its fp16 copy w2h (the one
+// accumulation; the two products with dP on fp16 mma where D is staged: dP under one power-of-two scale). It takes E from the backward's chunk_prep (p.E, fp32) and W2 from its fp16 copy w2h (the one
 // the scans transport with; every product here rounds W2 to tf32's 10-bit mantissa anyway), rebuilds Z and U,
 // and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per query head dq~ and dA_loc)
 // back through
@@ -99,6 +99,15 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   // once dk~ is read; K = 128 over Zs / Es; rows 64..127 (K = 128) over Qs / dAs.
   float* D0 = K == kChunk ? (kStageDA ? dAs : Big) : Zs;
   float* D1 = reinterpret_cast<float*>(Qs);
+  // kD16 (D staged where Big is free after dk~): D in fp16 over Big, W in fp16 over D's fp32 rows 0..63 (K = 128)
+  // or after D16 (K = 64), the warps' maxima past W2's fp16 rows.
+  constexpr bool kD16 = kStageDA, kEarlyQ = kD16 && K > kChunk;
+  __half* D16 = reinterpret_cast<__half*>(Big);
+  __half* W16 = K > kChunk ? reinterpret_cast<__half*>(Zs) : D16 + K * LT;
+  float* rmax = W2f + kChunk * LT / 2;
+  static_assert(2 * kChunk * LC * sizeof(float) >= (K * LT + (K > kChunk ? 0 : kChunk * LT)) * sizeof(__half),
+                "D16 (and W16 at K = 64) over Big");
+  static_assert(kChunk * LW >= kChunk * LT / 2 + kTcWarps, "rmax past W2's fp16 rows");
   if constexpr (kStageD) {
     static_assert(K > kChunk || LC == LW, "D over dAs at K = 64");
     static_assert(K == kChunk || kChunk * LT * sizeof(T) + kChunk * LC * sizeof(float) >= kChunk * LW * sizeof(float),
@@ -114,6 +123,7 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   const bool q16 = vec16_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
   const TileSrc<T> q_src{qp, p.q_s[0], p.q_s[1], p.q_s[2], qvec};
   const TileSrc<float> dq_src{p.dqt, 0, int64_t(p.HQ) * K, K, true};
+  const TileSrc<float> da_src{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true};
   if constexpr (kPreQ) {
     stage_tile_async<K>(q_src, ch.b, h * p.group, Qs, LT, pos0, nq, q16);
     if constexpr (kStageDQ) stage_tile_async<K>(dq_src, 0, h * p.group, dQs, LW, tok0, nq, true);
@@ -167,25 +177,62 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
                                             kFull.out_lower(-1));
   TK::each(dKa, [&](int r, int d, float& v) { v += dKt(r, d); });
   // dW2 -= W D;  dW -= W2 D^T.
-  if constexpr (kStageD) {
-    static_assert(2 * kChunk * LC >= kChunk * LW, "D rows 0..63 over Xs / dXs");
-    if constexpr (kOverZE) {
-      cp_async_wait_all();
-      __syncthreads();
-    } else if constexpr (!kStageDA) {  // K = 64: rows 0..63 over dk~, read above
-      __syncthreads();
-      stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
-      cp_async_commit();
-      cp_async_wait_all();
-      __syncthreads();
+  if constexpr (kD16) {
+    // On 16-bit mma: D as fp16 under one power-of-two scale for the whole [K][K] tile (its largest entry into
+    // [2^14, 2^15): fp16 keeps tf32's 11 bits for every entry down to 2^-29 of it) and negated, over Big (dk~ is
+    // read: the barrier below); W rounded to fp16 (tf32's significand) from Wf. Each thread holds its D entries
+    // across the barrier that publishes the warps' maxima, after which D's fp32 rows are free (W16 over them at
+    // K = 128).
+    if constexpr (kOverZE) cp_async_wait_all();
+    __syncthreads();
+    constexpr int kDV = K * K / 4 / kThreads, kWV = kChunk * K / 4 / kThreads;
+    float4 dv[kDV];
+    float mx = 0.f;
+#pragma unroll
+    for (int i = 0; i < kDV; ++i) {
+      const int idx = tid + i * kThreads, r = idx / (K / 4), c = 4 * (idx % (K / 4));
+      dv[i] = *reinterpret_cast<const float4*>(K == kChunk || r < kChunk ? D0 + r * LW + c : D1 + (r - kChunk) * LW + c);
+      mx = fmaxf(mx, fmaxf(fmaxf(fabsf(dv[i].x), fabsf(dv[i].y)), fmaxf(fabsf(dv[i].z), fabsf(dv[i].w))));
     }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((tid & 31) == 0) rmax[tid >> 5] = mx;
+    __syncthreads();
+    if constexpr (kEarlyQ) {  // D's rows 64..127 (over Qs / dAs) are in registers: the first head's Q and dA_loc
+      stage_tile_async<K>(q_src, ch.b, h * p.group, Qs, LT, pos0, nq, q16);
+      stage_tile_async<kChunk>(da_src, 0, h * p.group, dAs, LC, tok0, nq, true);
+      cp_async_commit();
+    }
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) mx = fmaxf(mx, rmax[w]);
+    const int sh = min(15 - scale_exp(mx), 126);
+    const float down = -ldexpf(1.f, sh), up = ldexpf(1.f, -sh);  // D16 = -D 2^sh: up undoes the scale
+#pragma unroll
+    for (int i = 0; i < kDV; ++i) {
+      const int idx = tid + i * kThreads, r = idx / (K / 4), c = 4 * (idx % (K / 4));
+      store4(D16 + r * LT + c, make_float4(down * dv[i].x, down * dv[i].y, down * dv[i].z, down * dv[i].w));
+    }
+#pragma unroll
+    for (int i = 0; i < kWV; ++i) {
+      const int idx = tid + i * kThreads, r = idx / (K / 4), c = 4 * (idx % (K / 4));
+      store4(W16 + r * LT + c, *reinterpret_cast<const float4*>(Wf + r * LW + c));
+    }
+    __syncthreads();
+    // dW -= W2 D^T through dW2a (zero here) as the product's accumulator; then dW2 -= W D into it.
+    mma_tc_acc16<kChunk, K, K, __half, false, false>(dW2a, W2h, LT, D16, LT);
+    fma_acc(dWa, dW2a, up);
+    TK::zero(dW2a);
+    mma_tc_acc16<kChunk, K, K, __half, false, true>(dW2a, W16, LT, D16, LT);
+    TK::each(dW2a, [&](int, int, float& v) { v *= up; });
+  } else if constexpr (kStageD) {  // K = 64 without dAs: D over dk~, read above
+    static_assert(K == kChunk && 2 * kChunk * LC >= kChunk * LW, "D over Xs / dXs");
+    __syncthreads();
+    stage_tile_async<K>(TileSrc<float>{Dm, 0, K, 0, true}, 0, 0, D0, LW, 0, kChunk, true);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
     mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, wA, [&](int a, int d) { return -D0[a * LW + d]; });
-    if constexpr (K > kChunk)
-      mma_tc_acc<kChunk, K, kChunk, false, kU, false>(dW2a, a_rows(Wf + kChunk, LW),
-                                                       [&](int a, int d) { return -D1[a * LW + d]; });
-    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2A, b_rows<float, true>([=](int a) {
-      return K == kChunk || a < kChunk ? D0 + a * LW : D1 + (a - kChunk) * LW;
-    }));
+    mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2A, b_rows<true>(D0, LW));
   } else {
     mma_tc_acc<kChunk, K, K, false, kU, false>(dW2a, w_rk, [&](int a, int d) { return -Dm[a * K + d]; });
     mma_tc_acc<kChunk, K, K, false, kU, false>(dWa, w2A, b_rows<true>(Dm, K));
@@ -199,11 +246,10 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     __syncthreads();  // D (over Zs / Es, dAs, Xs / dXs or Qs) and the previous head's tiles are no longer read
     PA_PROBE(6);
     // Q (one group: X needs it first), then dA_loc (kStageDA) and dq~ (kStageDQ); rows past the end: zero.
-    if (!(kPreQ && first)) stage_tile_async<K>(q_src, ch.b, hq, Qs, LT, pos0, nq, q16);
+    if (!((kPreQ || kEarlyQ) && first)) stage_tile_async<K>(q_src, ch.b, hq, Qs, LT, pos0, nq, q16);
     cp_async_commit();
     if constexpr (kStageDA)
-      stage_tile_async<kChunk>(TileSrc<float>{p.aloc, 0, int64_t(p.HQ) * kChunk, kChunk, true}, 0, hq, dAs, LC,
-                               tok0, nq, true);
+      if (!(kEarlyQ && first)) stage_tile_async<kChunk>(da_src, 0, hq, dAs, LC, tok0, nq, true);
     if constexpr (kStageDQ)
       if (!(kPreQ && first)) stage_tile_async<K>(dq_src, 0, hq, dQs, LW, tok0, nq, true);
     cp_async_commit();

@@ -263,6 +263,17 @@ __device__ __forceinline__ void add_acc(float (&acc)[NT][4], const float (&x)[NT
     for (int c = 0; c < 4; ++c) acc[b][c] += x[b][c];
 }
 
+// acc += s x, elementwise (TcTile accumulators).
+template <int MT, int NT>
+__device__ __forceinline__ void fma_acc(float (&acc)[MT][NT][4], const float (&x)[MT][NT][4], float s) {
+#pragma unroll
+  for (int a = 0; a < MT; ++a)
+#pragma unroll
+    for (int b = 0; b < NT; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][b][c] = fmaf(s, x[a][b][c], acc[a][b][c]);
+}
+
 // The smallest power of two a row (or tile) scaled into [-1, 1) is divided by (2^120 and 2^-120 are normal
 // floats). Rows of entries below 2^-126 (the gate's far pairs have weights down to e^-hundreds) would make 2^-e
 // overflow to inf and the scaled row NaN; scaled by 2^120 they stay below 1 and lose fp16's relative precision
