@@ -1,6 +1,7 @@
 // cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
-// accumulation; the two products with dP on fp16 mma where D is staged: dP under one power-of-two scale). It takes E from the backward's chunk_prep (p.E, fp32) and W2 from its fp16 copy w2h (the one
-// the scans transport with; every product here rounds W2 to tf32's 10-bit mantissa anyway), rebuilds Z and U,
+// accumulation; where dP is staged, its two products on fp16 mma with dP under one power-of-two scale). It takes E
+// from the backward's chunk_prep (p.E, fp32) and W2 from its fp16 copy w2h (the one the scans transport with;
+// every product here rounds W2 to tf32's 10-bit mantissa anyway), rebuilds Z and U,
 // and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per query head dq~ and dA_loc)
 // back through
 //   A = strict_lower(diag(b) W W^T), E = (I + A)^-1, W2 = E diag(b) W, Z = strict_lower(W K^T),
@@ -185,37 +186,37 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
     // K = 128).
     if constexpr (kOverZE) cp_async_wait_all();
     __syncthreads();
-    constexpr int kDV = K * K / 4 / kThreads, kWV = kChunk * K / 4 / kThreads;
-    float4 dv[kDV];
+    // This thread's i-th group of 4 consecutive columns of a tile with K columns: (row, column).
+    auto at4 = [&](int i) {
+      const int idx = tid + i * kThreads;
+      return make_int2(idx / (K / 4), 4 * (idx % (K / 4)));
+    };
+    float4 dv[K * K / 4 / kThreads];
     float mx = 0.f;
 #pragma unroll
-    for (int i = 0; i < kDV; ++i) {
-      const int idx = tid + i * kThreads, r = idx / (K / 4), c = 4 * (idx % (K / 4));
-      dv[i] = *reinterpret_cast<const float4*>(K == kChunk || r < kChunk ? D0 + r * LW + c : D1 + (r - kChunk) * LW + c);
+    for (int i = 0; i < K * K / 4 / kThreads; ++i) {
+      const int2 q = at4(i);
+      dv[i] = *reinterpret_cast<const float4*>(K == kChunk || q.x < kChunk ? D0 + q.x * LW + q.y
+                                                                           : D1 + (q.x - kChunk) * LW + q.y);
       mx = fmaxf(mx, fmaxf(fmaxf(fabsf(dv[i].x), fabsf(dv[i].y)), fmaxf(fabsf(dv[i].z), fabsf(dv[i].w))));
     }
+    const int sh = min(15 - scale_exp(block_max<kTcWarps>(mx, rmax)), 126);
+    const float down = -ldexpf(1.f, sh), up = ldexpf(1.f, -sh);  // D16 = -D 2^sh: up undoes the scale
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if ((tid & 31) == 0) rmax[tid >> 5] = mx;
-    __syncthreads();
-    if constexpr (kEarlyQ) {  // D's rows 64..127 (over Qs / dAs) are in registers: the first head's Q and dA_loc
+    for (int i = 0; i < K * K / 4 / kThreads; ++i) {
+      const int2 q = at4(i);
+      store4(D16 + q.x * LT + q.y, make_float4(down * dv[i].x, down * dv[i].y, down * dv[i].z, down * dv[i].w));
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk * K / 4 / kThreads; ++i) {
+      const int2 q = at4(i);
+      store4(W16 + q.x * LT + q.y, *reinterpret_cast<const float4*>(Wf + q.x * LW + q.y));
+    }
+    if constexpr (kEarlyQ) {  // D's rows 64..127 (over Qs / dAs) were read before block_max's barrier: the first
+      // head's Q and dA_loc there, loading under the products below
       stage_tile_async<K>(q_src, ch.b, h * p.group, Qs, LT, pos0, nq, q16);
       stage_tile_async<kChunk>(da_src, 0, h * p.group, dAs, LC, tok0, nq, true);
       cp_async_commit();
-    }
-#pragma unroll
-    for (int w = 0; w < kTcWarps; ++w) mx = fmaxf(mx, rmax[w]);
-    const int sh = min(15 - scale_exp(mx), 126);
-    const float down = -ldexpf(1.f, sh), up = ldexpf(1.f, -sh);  // D16 = -D 2^sh: up undoes the scale
-#pragma unroll
-    for (int i = 0; i < kDV; ++i) {
-      const int idx = tid + i * kThreads, r = idx / (K / 4), c = 4 * (idx % (K / 4));
-      store4(D16 + r * LT + c, make_float4(down * dv[i].x, down * dv[i].y, down * dv[i].z, down * dv[i].w));
-    }
-#pragma unroll
-    for (int i = 0; i < kWV; ++i) {
-      const int idx = tid + i * kThreads, r = idx / (K / 4), c = 4 * (idx % (K / 4));
-      store4(W16 + r * LT + c, *reinterpret_cast<const float4*>(Wf + r * LW + c));
     }
     __syncthreads();
     // dW -= W2 D^T through dW2a (zero here) as the product's accumulator; then dW2 -= W D into it.

@@ -288,17 +288,39 @@ __device__ __forceinline__ int scale_exp(float mx) {
   return max(e, kMinScaleExp);
 }
 
-// The largest |entry| of a warp's C-layout tile x (N n-tiles), in every lane.
+// The largest |entry| of this lane's part of a C-layout tile x (N n-tiles).
 template <int N>
-__device__ __forceinline__ float warp_abs_max(const float (&x)[N][4]) {
+__device__ __forceinline__ float lane_abs_max(const float (&x)[N][4]) {
   float mx = 0.f;
 #pragma unroll
   for (int nt = 0; nt < N; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(x[nt][e]));
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   return mx;
+}
+// The largest of the warp's lanes' v, in every lane.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// The largest |entry| of a warp's C-layout tile x (N n-tiles), in every lane.
+template <int N>
+__device__ __forceinline__ float warp_abs_max(const float (&x)[N][4]) {
+  return warp_max(lane_abs_max(x));
+}
+// The largest of the threads' v (>= 0) over a block of kWarps warps (every thread calls it), in every thread: each
+// warp's through shuffles into slot[warp], one barrier, then the slots. slot: kWarps floats of shared memory that
+// no thread reads or writes again before the next barrier.
+template <int kWarps>
+__device__ __forceinline__ float block_max(float v, float* slot) {
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) slot[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) v = fmaxf(v, slot[w]);
+  return v;
 }
 
 // Scales each row of a warp's 16-row C-layout tile x (rows g and g + 8, N n-tiles) by a power of two into

@@ -227,13 +227,7 @@ template <typename T, int K>
 __device__ __forceinline__ float stage_tile_scaled(const float (&x)[K / 8][4], T* dst, float* red) {
   constexpr int kRows = 128;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  float mx = warp_abs_max(x);
-  if (lane == 0) red[warp] = mx;
-  __syncthreads();
-  mx = 0.f;
-#pragma unroll
-  for (int w = 0; w < kRows / 16; ++w) mx = fmaxf(mx, red[w]);
-  const int ex = scale_exp(mx);
+  const int ex = scale_exp(block_max<kRows / 16>(lane_abs_max(x), red));
   const float down = ldexpf(1.f, -ex);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {

@@ -534,13 +534,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
   auto publish_r = [&](typename TR::Acc& rv) {
     float mx = 0.f;
 #pragma unroll
-    for (int mi = 0; mi < TR::MPW; ++mi) mx = fmaxf(mx, warp_abs_max(rv[mi]));
-    if ((tid & 31) == 0) rmax[tid >> 5] = mx;
-    __syncthreads();
-    mx = 0.f;
-#pragma unroll
-    for (int w = 0; w < kTcWarps; ++w) mx = fmaxf(mx, rmax[w]);
-    const int e = scale_exp(mx);
+    for (int mi = 0; mi < TR::MPW; ++mi) mx = fmaxf(mx, lane_abs_max(rv[mi]));
+    const int e = scale_exp(block_max<kTcWarps>(mx, rmax));
     const float down = ldexpf(1.f, -e);
     TR::each_pair(rv, [&](int r, int n, float& v, float& w) {
       *reinterpret_cast<__half2*>(R16 + r * LR + n) = __floats2half2_rn(v * down, w * down);

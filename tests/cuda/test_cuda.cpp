@@ -587,8 +587,8 @@ TEST(CudaBackend, DeterministicMatchesDefault) {
   GpuCase gc(c, &dout);
   GpuRun a = run_gpu(gc, true, false), b = run_gpu(gc, true, true);
   ASSERT_TRUE(a.bs.ok() && b.bs.ok());
-  // The two modes differ in the order of the fp32 sums into dP (the chunk backward then reads dP as a tf32
-  // operand, so an order difference can flip a tf32 rounding, 2^-11 relative, in a few elements) and in the
+  // The two modes differ in the order of the fp32 sums into dP (the chunk backward then reads dP rounded to 11
+  // significant bits, so an order difference can flip a rounding, 2^-11 relative, in a few elements) and in the
   // superblock backward's fp16 copy of its chain state R: one power-of-two scale per row block, and the blocks
   // differ (all K rows in deterministic mode, 64 by default), so an entry's rounding (2^-11 of its block's
   // largest) can differ. Measured 1.2e-4; the bf16 K = 128 cases of the oracle tests put dw at 2.6e-3 .. 2.9e-3
