@@ -1,7 +1,8 @@
 // cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
 // accumulation; where dP is staged, its two products on fp16 mma with dP under one power-of-two scale). It takes E
-// from the backward's chunk_prep (p.E, fp32) and W2 from its fp16 copy w2h (the one the scans transport with;
-// every product here rounds W2 to tf32's 10-bit mantissa anyway), rebuilds Z and U,
+// from the backward's chunk_prep (p.E, fp16 under one power of two: load_e) and W2 from its fp16 copy w2h (the
+// one the scans transport with; every product here rounds E and W2 to tf32's 10-bit mantissa anyway), rebuilds Z
+// and U,
 // and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per query head dq~ and dA_loc)
 // back through
 //   A = strict_lower(diag(b) W W^T), E = (I + A)^-1, W2 = E diag(b) W, Z = strict_lower(W K^T),
@@ -87,9 +88,12 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   PA_PROBE(0);
   stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW, true);
   cp_async_commit();
-  const float* Eg = p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk;
-  const TileSrc<float> e_src{Eg, 0, kChunk, 0, true};
-  stage_tile_async<kChunk>(e_src, 0, 0, Es, LC, 0, kChunk, true);
+  // E (fp16, store_e's tile) lands in E16 and becomes fp32 in Es (load_e) once its group is in: over dUs (free
+  // until dU's product) before the heads' loop, over Us (free from the loop's end to dE's product) after it.
+  constexpr int LE = kChunk + 8;
+  static_assert(sizeof(__half) * kChunk * LE <= sizeof(float) * kChunk * LC, "E16 over dUs / Us");
+  const TileSrc<__half> e_src{p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk, 0, kChunk, 0, true};
+  stage_tile_async<kChunk>(e_src, 0, 0, reinterpret_cast<__half*>(dUs), LE, 0, kChunk, true);
   stage_tile_async<K>(ws_src<K>(p.w2h, p.H), 0, h, W2h, LT, tok0, nq, true);
   cp_async_commit();
   stage_tile_async<K>(ws_src<K>(p.dkt, p.H), 0, h, Big, LW, tok0, nq, true);
@@ -152,6 +156,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   };
   compute_z();
   cp_async_wait_group<3>();  // G1: E, W2
+  __syncthreads();
+  load_e(Es, LC, reinterpret_cast<const __half*>(dUs), LE, tid, kThreads);
   __syncthreads();
   PA_PROBE(4);
   block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>(
@@ -318,10 +324,12 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   __syncthreads();
   PA_PROBE(9);
   if constexpr (kOverZE) {  // E again (its copy overlapping Z's recompute), Z (synchronised before dE below)
-    stage_tile_async<kChunk>(e_src, 0, 0, Es, LC, 0, kChunk, true);
+    stage_tile_async<kChunk>(e_src, 0, 0, reinterpret_cast<__half*>(Us), LE, 0, kChunk, true);
     cp_async_commit();
     compute_z();
     cp_async_wait_all();
+    __syncthreads();
+    load_e(Es, LC, reinterpret_cast<const __half*>(Us), LE, tid, kThreads);
   }
 
   // ---- through the UT transform.

@@ -323,6 +323,37 @@ __device__ __forceinline__ float block_max(float v, float* slot) {
   return v;
 }
 
+// A chunk's E = (I + A)^-1 (64 x 64, unit lower triangular) as the backward keeps it from chunk_prep to bwd_chunk:
+// each row's strict lower part in fp16 times 2^s_r, s_r putting the row's largest |entry| into [2^14, 2^15), with
+// s_r itself (int16) on the diagonal, whose ones need no storing. bwd_chunk reads E only as a tf32 operand, and fp16
+// holds tf32's 11 significant bits for every entry down to 2^-28 of its row's largest: the products see the bits
+// they saw in fp32 (but for ties, which fp16 rounds to even), at half the bytes.
+// store_e: E (fp32 rows of leading dim ld in shared memory) to dst (rows of 64), a warp a row at a time; every
+// lane of the block's nwarps warps calls it.
+__device__ __forceinline__ void store_e(__half* dst, const float* E, int ld, int warp, int lane, int nwarps) {
+  const int c = 2 * lane;
+  for (int r = warp; r < kChunk; r += nwarps) {
+    const float a = c < r ? E[r * ld + c] : 0.f, b = c + 1 < r ? E[r * ld + c + 1] : 0.f;
+    const int s = min(15 - scale_exp(warp_max(fmaxf(fabsf(a), fabsf(b)))), 126);
+    const float down = ldexpf(1.f, s);
+    __half2 v = __floats2half2_rn(a * down, b * down);
+    if (c == r) v.x = __short_as_half(static_cast<short>(s));
+    if (c + 1 == r) v.y = __short_as_half(static_cast<short>(s));
+    *reinterpret_cast<__half2*>(dst + r * kChunk + c) = v;
+  }
+}
+// load_e: E from store_e's tile src (rows of leading dim lds in shared memory) into fp32 rows of leading dim ld:
+// each row's strict lower part scaled back (exact), ones on the diagonal, zeros above.
+__device__ __forceinline__ void load_e(float* E, int ld, const __half* src, int lds, int tid, int nthreads) {
+  for (int i = tid; i < kChunk * kChunk / 2; i += nthreads) {
+    const int r = i / (kChunk / 2), c = 2 * (i % (kChunk / 2));
+    const float up = ldexpf(1.f, -static_cast<int>(__half_as_short(src[r * lds + r])));
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(src + r * lds + c));
+    E[r * ld + c] = c < r ? v.x * up : (c == r ? 1.f : 0.f);
+    E[r * ld + c + 1] = c + 1 < r ? v.y * up : (c + 1 == r ? 1.f : 0.f);
+  }
+}
+
 // Scales each row of a warp's 16-row C-layout tile x (rows g and g + 8, N n-tiles) by a power of two into
 // [-1, 1) (exact), and returns the factors that undo it in up: fp16 operands from such rows keep fp16's relative
 // precision (tf32's) whatever the rows' range, as the gradient transport chains need.

@@ -23,7 +23,7 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp16), aloc (fp32) per query head, and in the
-// backward (p.E set) E (fp32).
+// backward (p.E set) E (fp16 under one power of two: store_e).
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
 // 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
 // [k][col] reads (B operands as stored) are 2-way (measured: ~20% of the chunk kernels' shared wavefronts are
@@ -128,13 +128,8 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
   // E = (I + A)^-1 -> R2 (fp32).
   unit_lower_inverse(R1, LC, R2, LC);
   __syncthreads();
-  if (p.E != nullptr) {  // the backward: E for bwd_chunk, which would otherwise rebuild A and invert it again
-    float* Eg = p.E + int64_t(item) * kChunk * kChunk;
-    for (int i = tid; i < kChunk * kChunk / 4; i += blockDim.x) {
-      const int r = i / (kChunk / 4), c = 4 * (i % (kChunk / 4));
-      *reinterpret_cast<float4*>(Eg + r * kChunk + c) = *reinterpret_cast<const float4*>(R2 + r * LC + c);
-    }
-  }
+  if (p.E != nullptr)  // the backward: E for bwd_chunk, which would otherwise rebuild A and invert it again
+    store_e(p.E + int64_t(item) * kChunk * kChunk, R2, LC, tid >> 5, tid & 31, kPrepThreads / 32);
   PA_PROBE(3);
   // W2 = E diag(b) W (split tf32); Z = strict_lower(W K^T) -> R1.
   block_mm_tc_pairs<kChunk, K, kChunk, true, kU>([&](int r, int s) { return s <= r ? R2[r * LC + s] * bs[s] : 0.f; },
