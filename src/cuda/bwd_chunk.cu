@@ -1,8 +1,8 @@
 // cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
 // accumulation; where dP is staged, its two products on fp16 mma with dP under one power-of-two scale). It takes E
-// from the backward's chunk_prep (p.E, fp16 under one power of two: load_e) and W2 from its fp16 copy w2h (the
-// one the scans transport with; every product here rounds E and W2 to tf32's 10-bit mantissa anyway), rebuilds Z
-// and U,
+// from the backward's chunk_prep (p.E, fp16 with a power of two a row: load_e) and W2 from its fp16 copy w2h
+// (the one the scans transport with; every product here rounds E and W2 to tf32's 10-bit mantissa anyway),
+// rebuilds Z and U,
 // and pulls the scan gradients (dP = gradient of the chunk product, dk~, and per query head dq~ and dA_loc)
 // back through
 //   A = strict_lower(diag(b) W W^T), E = (I + A)^-1, W2 = E diag(b) W, Z = strict_lower(W K^T),
@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) bwd_chunk_kernel(KernelParams p) {
   PA_PROBE(0);
   stage_chunk_kw<K>(p, ch.b, pos0, h, nq, Ks, LT, Wf, LW, true);
   cp_async_commit();
-  // E (fp16, store_e's tile) lands in E16 and becomes fp32 in Es (load_e) once its group is in: over dUs (free
-  // until dU's product) before the heads' loop, over Us (free from the loop's end to dE's product) after it.
+  // E (store_e's fp16 tile) lands over dUs (free until dU's product) before the heads' loop and over Us (free
+  // from the loop's end to dE's product) after it, and becomes fp32 in Es (load_e) once its group is in.
   constexpr int LE = kChunk + 8;
   static_assert(sizeof(__half) * kChunk * LE <= sizeof(float) * kChunk * LC, "E16 over dUs / Us");
   const TileSrc<__half> e_src{p.E + (int64_t(ci) * p.H + h) * kChunk * kChunk, 0, kChunk, 0, true};

@@ -105,7 +105,7 @@ struct KernelParams {
   float* dgcolf;    // [NT, HQ]     deterministic with dgq: the far superblocks' part of dgcol (bwd_q; else null)
   float* colscr;    // [grid, 4, sc, 64] deterministic with dgq: bwd_q's per-warp column sums before their ordered add
   float* dP;        // [nchunks, H, K, K] gradient w.r.t. each chunk's dense product (zeroed by chunk_prep)
-  __half* E;        // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1, fp16 under one power of two a tile (the
+  __half* E;        // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1, fp16 with a power of two a row (the
                     //              backward's chunk_prep writes it for bwd_chunk, store_e / load_e; null in the
                     //              forward)
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys

@@ -23,7 +23,7 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   U = E diag(b) Z; k~ = K - U^T W.  Per query head: X = tril_incl(Q W^T); q~ = Q - X W2;
 //   A_loc = tril_incl(Q K^T - X U).
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp16), aloc (fp32) per query head, and in the
-// backward (p.E set) E (fp16 under one power of two: store_e).
+// backward (p.E set) E (fp16 with a power of two a row: store_e).
 // q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
 // 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
 // [k][col] reads (B operands as stored) are 2-way (measured: ~20% of the chunk kernels' shared wavefronts are
