@@ -69,6 +69,10 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #ifdef PA_SM90A
   constexpr int V = K, KB = K / 64;  // 64-column blocks of a row
   constexpr int kKfStages = KfSmem<K, kFuse>::stages;
+  // Fused at K = 128: each warpgroup stages and adds its own half of dq's boxes, waiting only for its own warps'
+  // stores (a named barrier) and for both warpgroups' release of the item's stage (its empty barrier), not for two
+  // CTA barriers an item (f+b -1.2% at T = 8k, -0.7% at 4k; at K = 64, +0.5%: dev/cuda/NOTES.md v3.71).
+  constexpr bool kWgDq = kFuse && K == 128;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Kt = reinterpret_cast<T*>(align1k(smem));  // [128 keys][K] as KB column blocks of 128 x 64
   T* Vt = Kt + kKfKeys * K;
@@ -192,6 +196,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       }
     };
 
+    // (kWgDq: the second warpgroup's dq reductions have read the stages issue_q(0) may load into.)
+    if (kWgDq && threadIdx.x == 128) bulk_wait<kKfStages - 3, true>();
     __syncthreads();  // the previous tile is done with Kt, Vt and every warp's reads
     if (threadIdx.x == 0) {
       if (n1 > 0) issue_ps(0);
@@ -292,7 +298,9 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         const int ln = int(lane_id()), w4 = warp & 3, rg = 16 * w4 + (ln >> 2);
         const int x = ((ln & 3) >> 1) ^ (2 * ((ln >> 2) & 3) + (w4 >> 1));  // chunk (2 nt + t4 / 2) ^ phase
         float* const p0 = box(wg * (K / 64)) + (2 * (rg & 31) + (w4 >> 1)) * 32 + 2 * (ln & 1);
-        __syncthreads();
+        // Both warpgroups are done reading item n's stage (kWgDq: once every warp has released it, release_q).
+        if constexpr (kWgDq) mbar_wait(&empty[st], (n / kKfStages) & 1);
+        else __syncthreads();
 #pragma unroll
         for (int nt = 0; nt < kDqN; ++nt) {
           float* const pc = p0 + (nt / 4) * kChunk * 32 + ((((2 * nt) & 7) ^ x) << 2);
@@ -304,13 +312,20 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           }
         }
         fence_async_smem();
-        __syncthreads();
-        if (threadIdx.x == 0) {
+        // Boxes [b0, b1) added by this thread once the stores are done.
+        auto reduce_boxes = [&](int b0, int b1) {
           const int hq = head_of(j), row = int(seq_tok0 + int64_t(qc) * kChunk);
           const CUtensorMap* dmap = p.far_half > 0 && !odd_half(qc) ? &mp.dqt1 : &mp.dqt;
 #pragma unroll
-          for (int b = 0; b < K / 32; ++b) tma_reduce_add(dmap, box(b), 32 * b, hq, 0, row);
+          for (int b = b0; b < b1; ++b) tma_reduce_add(dmap, box(b), 32 * b, hq, 0, row);
           bulk_commit();
+        };
+        if constexpr (kWgDq) {  // this warpgroup's stores (a named barrier of its 128 threads), its boxes
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+          if ((threadIdx.x & 127) == 0) reduce_boxes(wg * (K / 64), (wg + 1) * (K / 64));
+        } else {
+          __syncthreads();
+          if (threadIdx.x == 0) reduce_boxes(0, K / 32);
         }
       }
     };
@@ -389,12 +404,18 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     auto item_begin = [&](int a) {
       return a == last_sb ? 0 : (n_last + p.sc * (last_sb - 1 - a)) * p.group;
     };
-    auto wait_item = [&](int j) {  // thread 0 issues item j + 1 first
-      if (threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
+    auto wait_item = [&](int j) {  // thread 0 issues item j + 1 (kWgDq: after the barrier)
+      if (!kWgDq && threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
       __syncwarp();
       const uint32_t n = n_q + uint32_t(j);
       mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
-      if constexpr (kFuse) __syncthreads();  // every warp's dS^T of the item before is staged
+      if constexpr (kFuse) {
+        // The barrier sees every warp's dS^T of the item before staged; with kWgDq also the second warpgroup's dq
+        // reductions done reading the stage item j + 1 loads into (thread 0 waits for its own in issue_q).
+        if (kWgDq && threadIdx.x == 128) bulk_wait<kKfStages - 3, true>();
+        __syncthreads();
+        if (kWgDq && threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
+      }
       fence_regs(s, dp, dv, hk, pa, dsa);
       wg_fence();
     };
@@ -528,7 +549,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     }
   }
   if constexpr (kFuse) {
-    if (threadIdx.x == 0) bulk_wait<0, false>();  // dq's last reductions done before the CTA's memory goes
+    if ((threadIdx.x & 127) == 0) bulk_wait<0, false>();  // dq's last reductions done before the CTA's memory goes
   }
 #endif
 }

@@ -1,0 +1,61 @@
+"""dev/cuda/ab_interleaved.py: forward+backward times of several builds of the C ABI library in one process, the
+builds taking turns round by round on the same inputs, so that a drift of the GPU's speed over the run (clocks,
+other work on the machine) falls on every build alike. Prints each build's median over the rounds and, per round,
+its time over the first build's (median, lowest and highest of those ratios).
+    python3 dev/cuda/ab_interleaved.py --libs a/libpathattn_capi.so b/libpathattn_capi.so --shapes 128:8192 128:4096
+"""
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+import gpu_bench as gb  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--libs", nargs="+", required=True)
+    ap.add_argument("--shapes", nargs="+", default=["128:8192", "128:4096", "64:4096"], help="K:T, B * T = 32768")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's rep (ms) a build a round")
+    a = ap.parse_args()
+    libs = []
+    for path in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
+        gb.load_lib(path)
+        libs.append(gb.LIB)
+    names = [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in a.libs]
+    for shape in a.shapes:
+        K, T = (int(x) for x in shape.split(":"))
+        HQ = 2048 // K
+        B = max(1, 32768 // T)
+        q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, HQ, K, K, False, seed=T + K)
+        o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
+
+        def fb():
+            gb.ours_fwd(q, k, v, w, beta, g, o, lse)
+            gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+        times = [[] for _ in libs]
+        for r in range(a.rounds):
+            order = list(range(len(libs)))
+            if r % 2:
+                order.reverse()
+            for i in order:
+                gb.LIB = libs[i]
+                times[i].append(do_bench(fb, warmup=10, rep=a.rep_ms, return_mode="median"))
+        print(f"K {K} T {T} ({a.rounds} rounds)")
+        for i, name in enumerate(names):
+            ratios = [t / t0 for t, t0 in zip(times[i], times[0])]
+            print(f"  {name:36s} median {statistics.median(times[i]):7.3f} ms (min {min(times[i]):7.3f}, max "
+                  f"{max(times[i]):7.3f}) | / {names[0]}: median {statistics.median(ratios):.4f} "
+                  f"[{min(ratios):.4f}, {max(ratios):.4f}]", flush=True)
+        del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
