@@ -269,13 +269,23 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
                          smem_desc_sw128(b0 + k * 16 * 128, kKfKeys * 128, 1024), k > 0);
       }
     };
-    auto issue_acc = [&](uint32_t n) {
+    // kWgDq: dv and h first (this warp's own fragments), then the CTA barrier that sees every warp's dS^T of
+    // item n staged runs under them (with thread 128's reads of the stage query item jn loads into, when jn >= 0,
+    // and thread 0's issue of it after the barrier), then dq.
+    auto issue_acc = [&](uint32_t n, int jn) {
       const uint64_t dn = stage_nmaj(Ds, n), qn = stage_nmaj(Qs, n);
-      issue_dq(n);
+      if constexpr (!kWgDq) issue_dq(n);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(dv, pa[kt], dn + n_off(kt));
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(hk, dsa[kt], qn + n_off(kt));
+      if constexpr (kWgDq) {
+        if (threadIdx.x == 128 && jn >= 0) bulk_wait<kKfStages - 3, true>();
+        __syncthreads();
+        if (threadIdx.x == 0 && jn >= 0 && jn < nit) issue_q(jn);
+        wg_fence();
+        issue_dq(n);
+      }
       wg_commit();
     };
     // kFuse: item n's dq (waited for) into dqt. It is staged over item n's stage (both warpgroups are done with
@@ -404,12 +414,13 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     auto item_begin = [&](int a) {
       return a == last_sb ? 0 : (n_last + p.sc * (last_sb - 1 - a)) * p.group;
     };
-    auto wait_item = [&](int j) {  // thread 0 issues item j + 1 (kWgDq: after the barrier)
+    // kWgDq with acc_next: the barrier and item j + 1's issue come in issue_acc(n - 1, j + 1) instead.
+    auto wait_item = [&](int j, bool acc_next) {  // thread 0 issues item j + 1 (kWgDq: after the barrier)
       if (!kWgDq && threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
       __syncwarp();
       const uint32_t n = n_q + uint32_t(j);
       mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
-      if constexpr (kFuse) {
+      if (kFuse && !(kWgDq && acc_next)) {
         // The barrier sees every warp's dS^T of the item before staged; with kWgDq also the second warpgroup's dq
         // reductions done reading the stage item j + 1 loads into (thread 0 waits for its own in issue_q).
         if (kWgDq && threadIdx.x == 128) bulk_wait<kKfStages - 3, true>();
@@ -430,7 +441,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       stage_ds(n);
     };
     auto acc_alone = [&](uint32_t n) {  // dv, h (and dq) of item n, waited for, its stage released
-      issue_acc(n);
+      issue_acc(n, -1);
       wg_wait<0>();
       fence_regs(dv, hk, pa, dsa);
       release_q(n);
@@ -462,17 +473,17 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         ++n_kt;
         if constexpr (kFuse) add_dps(a, up);
       }
-      wait_item(j0);
+      wait_item(j0, false);
       scores_alone(n_q + uint32_t(j0));
 #pragma unroll 1
       for (int j = j0 + 1; j < j1; ++j) {
         const uint32_t n = n_q + uint32_t(j);
-        wait_item(j);
+        wait_item(j, true);
         if constexpr (kOverlap && kFuse) {
           // dv / h / dq of item j - 1 issued before item j's scores, so that j - 1's dq is staged and reduced
           // under them (P^T / dS^T then run with no product under them: fused kernel -0.6% at K = 64, T = 4k;
           // dev/cuda/NOTES.md v3.56).
-          issue_acc(n - 1);
+          issue_acc(n - 1, -1);
           issue_sdp(n);
           wg_wait<1>();  // dv / h / dq of item j - 1 done; S^T, dP^T of item j may still run
           fence_regs(dv, hk, pa, dsa);
@@ -481,7 +492,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           finish_scores(n);
         } else if constexpr (kOverlap) {
           issue_sdp(n);
-          issue_acc(n - 1);
+          issue_acc(n - 1, -1);
           wg_wait<1>();  // S^T, dP^T of item j done; dv / h of item j - 1 may still run
           fence_regs(s, dp);
           pds(n);
@@ -497,7 +508,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (fused
           // kernel -2.7% at T = 4k and 16k; with dP^T's accumulators live too, dv, h, dq and both would not fit
           // the registers: ptxas spills 208 / 268 bytes; dev/cuda/NOTES.md v3.56).
-          issue_acc(n - 1);
+          issue_acc(n - 1, j + 1);
           wg_wait<0>();
           fence_regs(dv, hk, pa, dsa);
           release_q(n - 1);
@@ -515,7 +526,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         }
       }
       if (!kFuse && a > sbk + 1) release_kt();
-      if constexpr (kFuse) __syncthreads();  // every warp's dS^T of the last item is staged
+      if constexpr (kFuse && !kWgDq) __syncthreads();  // every warp's dS^T of the last item is staged
       fence_regs(dv, hk, pa, dsa);
       wg_fence();
       acc_alone(n_q + uint32_t(j1) - 1);
