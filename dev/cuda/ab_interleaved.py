@@ -3,6 +3,9 @@ builds taking turns round by round on the same inputs, so that a drift of the GP
 other work on the machine) falls on every build alike. Prints each build's median over the rounds and, per round,
 its time over the first build's (median, lowest and highest of those ratios).
     python3 dev/cuda/ab_interleaved.py --libs a/libpathattn_capi.so b/libpathattn_capi.so --shapes 128:8192 128:4096
+A build may carry environment settings for its calls after an '@' (the library reads its PATHATTN_CUDA_* switches
+at each call), so that one library with and without a switch is an A/B too:
+    --libs a/libpathattn_capi.so a/libpathattn_capi.so@PATHATTN_CUDA_BWD_SUPER_CHUNKS=4
 """
 import argparse
 import ctypes
@@ -24,11 +27,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's rep (ms) a build a round")
     a = ap.parse_args()
-    libs = []
-    for path in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
+    libs, envs, names = [], [], []
+    for spec in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
+        path, _, env = spec.partition("@")
         gb.load_lib(path)
         libs.append(gb.LIB)
-    names = [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in a.libs]
+        envs.append(dict(kv.split("=", 1) for kv in env.split(",") if kv))
+        names.append((os.path.basename(os.path.dirname(os.path.abspath(path))) or path) + (f"@{env}" if env else ""))
+    switches = {k for e in envs for k in e}
     for shape in a.shapes:
         K, T = (int(x) for x in shape.split(":"))
         HQ = 2048 // K
@@ -46,6 +52,9 @@ def main():
                 order.reverse()
             for i in order:
                 gb.LIB = libs[i]
+                for k in switches:
+                    os.environ.pop(k, None)
+                os.environ.update(envs[i])
                 times[i].append(do_bench(fb, warmup=10, rep=a.rep_ms, return_mode="median"))
         print(f"K {K} T {T} ({a.rounds} rounds)")
         for i, name in enumerate(names):
