@@ -52,8 +52,8 @@ def main():
                 order.reverse()
             for i in order:
                 gb.LIB = libs[i]
-                for k in switches:
-                    os.environ.pop(k, None)
+                for name in switches:
+                    os.environ.pop(name, None)
                 os.environ.update(envs[i])
                 times[i].append(do_bench(fb, warmup=10, rep=a.rep_ms, return_mode="median"))
         print(f"K {K} T {T} ({a.rounds} rounds)")

@@ -16,7 +16,8 @@
 # (diagnostic builds, whose results are wrong) the one-slice [profile] split of dev/cuda/shape.py --ws-limit-mib -1.
 # Whether a variant computes the same bits: dev/cuda/shape.py --deterministic --dump head.pt with the head's library,
 # then --deterministic --compare head.pt with the variant's (same shape arguments). dev/cuda/ab_variants.sh OUT_DIR
-# runs that check and the palindromic timings for every variant in OUT_DIR.
+# runs that check and the palindromic timings for every variant in OUT_DIR. Where the GPU's speed drifts between
+# processes, dev/cuda/ab_interleaved.py times the variants in one process, taking turns round by round.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 BUILD_DIR OUT_DIR [PATCH[:MACRO=VALUE,...] ...]" >&2
