@@ -269,9 +269,15 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
                          smem_desc_sw128(b0 + k * 16 * 128, kKfKeys * 128, 1024), k > 0);
       }
     };
-    // kWgDq: dv and h first (this warp's own fragments), then the CTA barrier that sees every warp's dS^T of
-    // item n staged runs under them (with thread 128's reads of the stage query item jn loads into, when jn >= 0,
-    // and thread 0's issue of it after the barrier), then dq.
+    // kFuse: the CTA barrier that sees every warp's dS^T of the item before staged; with kWgDq (and jn >= 0) also
+    // thread 128's dq reductions done reading the stage query item jn loads into, and thread 0's issue of jn after
+    // it (thread 0 waits for its own reductions in issue_q).
+    auto barrier_issue = [&](int jn) {
+      if (kWgDq && threadIdx.x == 128 && jn >= 0) bulk_wait<kKfStages - 3, true>();
+      __syncthreads();
+      if (kWgDq && threadIdx.x == 0 && jn >= 0 && jn < nit) issue_q(jn);
+    };
+    // kWgDq: dv and h first (this warp's own fragments), barrier_issue(jn) under them, then dq.
     auto issue_acc = [&](uint32_t n, int jn) {
       const uint64_t dn = stage_nmaj(Ds, n), qn = stage_nmaj(Qs, n);
       if constexpr (!kWgDq) issue_dq(n);
@@ -280,9 +286,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) wg_rs<T, 1>(hk, dsa[kt], qn + n_off(kt));
       if constexpr (kWgDq) {
-        if (threadIdx.x == 128 && jn >= 0) bulk_wait<kKfStages - 3, true>();
-        __syncthreads();
-        if (threadIdx.x == 0 && jn >= 0 && jn < nit) issue_q(jn);
+        barrier_issue(jn);
         wg_fence();
         issue_dq(n);
       }
@@ -420,13 +424,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       __syncwarp();
       const uint32_t n = n_q + uint32_t(j);
       mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
-      if (kFuse && !(kWgDq && acc_next)) {
-        // The barrier sees every warp's dS^T of the item before staged; with kWgDq also the second warpgroup's dq
-        // reductions done reading the stage item j + 1 loads into (thread 0 waits for its own in issue_q).
-        if (kWgDq && threadIdx.x == 128) bulk_wait<kKfStages - 3, true>();
-        __syncthreads();
-        if (kWgDq && threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
-      }
+      if (kFuse && !(kWgDq && acc_next)) barrier_issue(j + 1);
       fence_regs(s, dp, dv, hk, pa, dsa);
       wg_fence();
     };
