@@ -364,9 +364,10 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // kFuse: dPS_a += h^T kt_a (kt_{a+1} = kt_a PS_a^T), A = the staged h (M-major), B = Kt (N-major): K = 128,
     // warpgroup wg takes the rows 64 wg .. over all keys, in two 64-column halves; K = 64, all of it over the
     // warpgroup's own keys (both add). fp32 vector reductions into dps.
+    auto dps_of = [&](int a) { return p.dps + (int64_t(ch.sfirst + a) * p.H + h) * K * K; };  // dPS_a
     auto add_dps = [&](int a, float up) {
       __syncthreads();  // every warp's part of the staged h
-      float* dst = p.dps + (int64_t(ch.sfirst + a) * p.H + h) * K * K;
+      float* dst = dps_of(a);
       const int mb = K == 128 ? wg : 0, k0 = K == 128 ? 0 : 4 * wg;
       constexpr int nks = K == 128 ? 8 : 4;
 #pragma unroll 1
@@ -377,6 +378,19 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, mb * 64 + 16 * (warp & 3), nh * 64 + 8 * nt, d[nt], up);
       }
       __syncthreads();  // every warp is done reading the staged h (the next dS^T goes there)
+    };
+    // kWgDq: add_dps's first half (columns 0 .. 63, reductions now) and the second half's product into d1 (its
+    // reductions go under the superblock's first scores; no barrier at the end: the first item's comes before
+    // anything writes Dss again).
+    auto add_dps_wg = [&](float* dst, float up, float (&d1)[8][4]) {
+      __syncthreads();  // every warp's part of the staged h
+      {
+        float d[8][4];
+        wg_rows_outer<T>(d, Dss, wg, Kt, 0, 0, 8);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, 64 * wg + 16 * (warp & 3), 8 * nt, d[nt], up);
+      }
+      wg_rows_outer<T>(d1, Dss, wg, Kt, 1, 0, 8);
     };
     auto pds = [&](uint32_t n) {  // P^T into s, scale dS^T into dp (columns are query rows)
       const float2* l2 = Ls + (n % kKfStages) * kChunk;
@@ -469,10 +483,31 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         if (threadIdx.x == 0 && a > sbk + 1) issue_ps(n1 + (last_sb - 1 - a) + 1);
         mbar_wait(kt_full, n_kt & 1);
         ++n_kt;
-        if constexpr (kFuse) add_dps(a, up);
+        if constexpr (kWgDq) {
+          // The first item's S^T / dP^T issued before the second half of dPS_a is added, so that its vector
+          // reductions run under them (dev/cuda/NOTES.md v3.72); then wait_item's barrier and the scores.
+          float d1[8][4];
+          float* const dst = dps_of(a);
+          add_dps_wg(dst, up, d1);
+          const uint32_t n0 = n_q + uint32_t(j0);
+          __syncwarp();
+          mbar_wait(&full[n0 % kKfStages], (n0 / kKfStages) & 1);
+          fence_regs(s, dp, dv, hk, pa, dsa, d1);
+          wg_fence();
+          issue_sdp(n0);
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+            red_add_frag_v4(dst, K, 64 * wg + 16 * (warp & 3), 64 + 8 * nt, d1[nt], up);
+          barrier_issue(j0 + 1);
+          finish_scores(n0);
+        } else if constexpr (kFuse) {
+          add_dps(a, up);
+        }
       }
-      wait_item(j0, false);
-      scores_alone(n_q + uint32_t(j0));
+      if (!kWgDq || a == last_sb) {
+        wait_item(j0, false);
+        scores_alone(n_q + uint32_t(j0));
+      }
 #pragma unroll 1
       for (int j = j0 + 1; j < j1; ++j) {
         const uint32_t n = n_q + uint32_t(j);
