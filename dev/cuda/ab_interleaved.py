@@ -8,7 +8,6 @@ at each call), so that one library with and without a switch is an A/B too:
     --libs a/libpathattn_capi.so a/libpathattn_capi.so@PATHATTN_CUDA_BWD_SUPER_CHUNKS=4
 """
 import argparse
-import ctypes
 import os
 import statistics
 import sys

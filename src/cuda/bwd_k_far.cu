@@ -365,6 +365,11 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // warpgroup wg takes the rows 64 wg .. over all keys, in two 64-column halves; K = 64, all of it over the
     // warpgroup's own keys (both add). fp32 vector reductions into dps.
     auto dps_of = [&](int a) { return p.dps + (int64_t(ch.sfirst + a) * p.H + h) * K * K; };  // dPS_a
+    // This warp's fragments of dPS rows 64 mb .., columns 64 nh .. (a product of wg_rows_outer), times up, added.
+    auto red_dps = [&](float* dst, int mb, int nh, const float (&d)[8][4], float up) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, mb * 64 + 16 * (warp & 3), nh * 64 + 8 * nt, d[nt], up);
+    };
     auto add_dps = [&](int a, float up) {
       __syncthreads();  // every warp's part of the staged h
       float* dst = dps_of(a);
@@ -374,8 +379,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       for (int nh = 0; nh < KB; ++nh) {
         float d[8][4];
         wg_rows_outer<T>(d, Dss, mb, Kt, nh, k0, nks);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, mb * 64 + 16 * (warp & 3), nh * 64 + 8 * nt, d[nt], up);
+        red_dps(dst, mb, nh, d, up);
       }
       __syncthreads();  // every warp is done reading the staged h (the next dS^T goes there)
     };
@@ -387,8 +391,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       {
         float d[8][4];
         wg_rows_outer<T>(d, Dss, wg, Kt, 0, 0, 8);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) red_add_frag_v4(dst, K, 64 * wg + 16 * (warp & 3), 8 * nt, d[nt], up);
+        red_dps(dst, wg, 0, d, up);
       }
       wg_rows_outer<T>(d1, Dss, wg, Kt, 1, 0, 8);
     };
@@ -433,11 +436,13 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       return a == last_sb ? 0 : (n_last + p.sc * (last_sb - 1 - a)) * p.group;
     };
     // kWgDq with acc_next: the barrier and item j + 1's issue come in issue_acc(n - 1, j + 1) instead.
+    auto wait_full = [&](uint32_t n) {  // item n's stage loaded
+      __syncwarp();
+      mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
+    };
     auto wait_item = [&](int j, bool acc_next) {  // thread 0 issues item j + 1 (kWgDq: after the barrier)
       if (!kWgDq && threadIdx.x == 0 && j + 1 < nit) issue_q(j + 1);
-      __syncwarp();
-      const uint32_t n = n_q + uint32_t(j);
-      mbar_wait(&full[n % kKfStages], (n / kKfStages) & 1);
+      wait_full(n_q + uint32_t(j));
       if (kFuse && !(kWgDq && acc_next)) barrier_issue(j + 1);
       fence_regs(s, dp, dv, hk, pa, dsa);
       wg_fence();
@@ -490,14 +495,11 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           float* const dst = dps_of(a);
           add_dps_wg(dst, up, d1);
           const uint32_t n0 = n_q + uint32_t(j0);
-          __syncwarp();
-          mbar_wait(&full[n0 % kKfStages], (n0 / kKfStages) & 1);
+          wait_full(n0);
           fence_regs(s, dp, dv, hk, pa, dsa, d1);
           wg_fence();
           issue_sdp(n0);
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            red_add_frag_v4(dst, K, 64 * wg + 16 * (warp & 3), 64 + 8 * nt, d1[nt], up);
+          red_dps(dst, wg, 1, d1, up);
           barrier_issue(j0 + 1);
           finish_scores(n0);
         } else if constexpr (kFuse) {
