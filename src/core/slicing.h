@@ -33,8 +33,11 @@ PathBwdParams sub_params(const PathBwdParams& p, const Problem& pr, const Slice&
 // not 6 + 2; 16 heads in slices of at most 3 are 3 + 3 + 3 + 3 + 2 + 2, not five of 3 and a short one, which
 // one stream would run alone at the end).
 // cost(Slice) must grow with both counts.
+// by_pairs: where kv-head slices are needed and batch_ok, slices of batch rows with every head are planned too,
+// and the plan whose first slice holds more (row, head) pairs is taken (kv heads on a tie). A backend whose
+// whole-head slices cost less a pair (the CUDA backward keeping workspace in their output memory) asks for it.
 template <class Cost>
-std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, Cost cost) {
+std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, Cost cost, bool by_pairs = false) {
   auto largest = [](int64_t n, auto fits) {  // the largest m in [1, n] with fits(m), or 1
     int64_t lo = 1, hi = n;
     while (lo < hi) {
@@ -56,6 +59,14 @@ std::vector<Slice> plan_slices(const Problem& pr, bool batch_ok, int64_t limit, 
     heads = parts(pr.H, largest(pr.H, [&](int64_t m) { return cost(Slice{0, pr.B, 0, m}) <= limit; }));
     if (heads[0] == 1 && batch_ok && cost(Slice{0, pr.B, 0, 1}) > limit)
       rows = parts(pr.B, largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, 1}) <= limit; }));
+    if (by_pairs && batch_ok && pr.B > 1 && cost(Slice{0, 1, 0, pr.H}) <= limit) {
+      const std::vector<int64_t> whole_rows =
+          parts(pr.B, largest(pr.B, [&](int64_t m) { return cost(Slice{0, m, 0, pr.H}) <= limit; }));
+      if (whole_rows[0] * pr.H > rows[0] * heads[0]) {
+        rows = whole_rows;
+        heads = {pr.H};
+      }
+    }
   }
   std::vector<Slice> out;
   int64_t b0 = 0;
@@ -82,14 +93,15 @@ struct LanePlan {
 // plan for limit / n fits that share and has at least n and at most 2 n times as many slices (small slices
 // leave the GPU idle in their superblock kernels and scan tails, which another stream's slice fills; a plan
 // much finer than one stream's loses more to those tails than the overlap wins).
+// by_pairs: as plan_slices takes it.
 template <class Cost>
-LanePlan plan_lanes(const Problem& pr, bool batch_ok, int64_t limit, int max_lanes, Cost cost) {
+LanePlan plan_lanes(const Problem& pr, bool batch_ok, int64_t limit, int max_lanes, Cost cost, bool by_pairs = false) {
   LanePlan out;
-  out.slices = plan_slices(pr, batch_ok, limit, cost);
+  out.slices = plan_slices(pr, batch_ok, limit, cost, by_pairs);
   out.block = cost(out.slices[0]);
   if (out.slices.size() == 1) return out;
   for (int n = max_lanes; n >= 2; --n) {
-    std::vector<Slice> more = plan_slices(pr, batch_ok, limit / n, cost);
+    std::vector<Slice> more = plan_slices(pr, batch_ok, limit / n, cost, by_pairs);
     const int64_t bn = cost(more[0]);
     if (bn <= limit / n && more.size() >= size_t(n) && more.size() <= size_t(2 * n) * out.slices.size()) {
       out.slices = std::move(more);

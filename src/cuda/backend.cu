@@ -135,9 +135,10 @@ void fill_inputs(KernelParams& kp, const core::Problem& pr, const TensorView& q,
 }
 
 // Device copies of the tables plus the forward's workspace (also recomputed by the backward).
-// The tables go into `tables` (their addresses reach kp and *seq_first_dev at its commit).
+// The tables go into `tables` (their addresses reach kp and *seq_first_dev at its commit). kt_at: memory the
+// caller gives k~ (the backward's output memory, OutputHost), else allocated here.
 Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core::Problem& pr, TablePack& tables,
-                    int32_t** seq_first_dev) {
+                    int32_t** seq_first_dev, void* kt_at = nullptr) {
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K;
   tables.add(t.chunks, [&kp](const ChunkDesc* d) { kp.chunks = d; });
   tables.add(t.order, [&kp](const int32_t* d) { kp.order = d; });
@@ -146,8 +147,8 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   kp.max_chunks = t.max_chunks;
   PA_CU(ws.alloc(&kp.w16, NT * H * K));
   PA_CU(ws.alloc(&kp.w2h, NT * H * K));
-  __half* kt = nullptr;
-  PA_CU(ws.alloc(&kt, NT * H * K));
+  __half* kt = static_cast<__half*>(kt_at);
+  if (kt == nullptr) PA_CU(ws.alloc(&kt, NT * H * K));
   kp.kt = kt;
   PA_CU(ws.alloc(&kp.qtl, NT * HQ * K));
   PA_CU(ws.alloc(&kp.aloc, NT * HQ * kChunk));
@@ -359,10 +360,69 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   return Status::Ok();
 }
 
+// Output memory as workspace (PATHATTN_CUDA_BWD_OUT_WS=1; dev/cuda/NOTES.md v3.74). The gradient outputs are
+// written by the backward's last kernels (dv by bwd_k; dq, dk, dw by bwd_chunk), so buffers that every kernel
+// is done with before then may live in them: k~ (last read by super_bwd) in dq, the keys moved to their
+// superblock's end (ks, last read by bwd_k_far / bwd_q) in dk, the moved queries (qhat, last read by bwd_k_far
+// where it runs) in dv, the key-chain gradient dks (last read by super_bwd) in dw; with qhat and ks gone from
+// piece 1, dkt lies over dvdiag (MHA, K = V; bwd_k reads a thread's dvdiag elements before it writes the same
+// dkt elements). Only outputs that are each one dense block (whole calls and slices of whole batch rows; a
+// slice of kv heads is strided) and overlap no other tensor of the call take part; the rest stay zero here.
+struct OutputHost {
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dw = nullptr;
+  size_t dq_bytes = 0, dk_bytes = 0, dv_bytes = 0, dw_bytes = 0;
+};
+
+// [lo, hi) of the bytes a view may touch (positive strides), empty for an absent or empty view.
+std::pair<uintptr_t, uintptr_t> view_span(const TensorView& t) {
+  if (!t.present() || t.data == nullptr || t.numel() == 0) return {0, 0};
+  int64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * t.stride[i];
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data);
+  return {lo, lo + uintptr_t(last + 1) * uintptr_t(dtype_size(t.dtype))};
+}
+
+// The bytes of a view whose elements fill one block of memory in row-major order (its strides those of its
+// shape) from a 256-byte boundary (as the workspace's pieces, for the TMA tensor maps over them), else 0.
+size_t dense_bytes(const TensorView& t) {
+  if (!t.present() || t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 256 != 0) return 0;
+  int64_t want = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.shape[i] > 1 && t.stride[i] != want) return 0;
+    want *= t.shape[i];
+  }
+  return size_t(want) * size_t(dtype_size(t.dtype));
+}
+
+OutputHost output_host(const PathBwdParams& p) {
+  OutputHost oh;
+  const TensorView* outs[4] = {&p.dq, &p.dk, &p.dv, &p.dw};
+  void** ptrs[4] = {&oh.dq, &oh.dk, &oh.dv, &oh.dw};
+  size_t* sizes[4] = {&oh.dq_bytes, &oh.dk_bytes, &oh.dv_bytes, &oh.dw_bytes};
+  const TensorView* others[] = {&p.q, &p.k, &p.v, &p.w, &p.beta, &p.g, &p.o, &p.lse, &p.do_, &p.cu_seqlens,
+                                &p.dq, &p.dk, &p.dv, &p.dw, &p.dbeta, &p.dg};
+  for (int i = 0; i < 4; ++i) {
+    const size_t bytes = dense_bytes(*outs[i]);
+    if (bytes == 0) continue;
+    const std::pair<uintptr_t, uintptr_t> a = view_span(*outs[i]);
+    bool alone = true;
+    for (const TensorView* o : others) {
+      if (o == outs[i]) continue;
+      const std::pair<uintptr_t, uintptr_t> b = view_span(*o);
+      if (b.first < b.second && a.first < b.second && b.first < a.second) alone = false;
+    }
+    if (!alone) continue;
+    *ptrs[i] = outs[i]->data;
+    *sizes[i] = bytes;
+  }
+  return oh;
+}
+
 // One backward over the whole of p / pr, as fwd_run.
 // msv_early: super_bwd's M_c (msv) written by the first super_prep launch and kept until super_bwd; else by a
-// second launch after bwd_k, over piece 2's buffers that are dead by then.
-Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, bool msv_early) {
+// second launch after bwd_k, over piece 2's buffers that are dead by then. host_out: output memory as workspace
+// where OutputHost allows it.
+Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, bool msv_early, bool host_out) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   KernelParams kp{};
@@ -407,8 +467,10 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
 
   int32_t* seq_first = nullptr;
   TablePack tables;
-  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first));
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
+  const OutputHost oh = host_out && !two_size ? output_host(p) : OutputHost{};
+  const size_t elem = size_t(dtype_size(p.q.dtype));
+  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first, oh.dq_bytes >= NT * H * K * elem ? oh.dq : nullptr));
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, (NT + kDqtPadRows) * HQ * K));
   // dP, and below dks and dps, are zeroed by the kernels that first run on their items (chunk_prep, super_prep's
@@ -435,7 +497,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
       if ((v == 32 || v == 64 || v == 128) && v <= int(K)) sb_rows = v;
     }
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
-    PA_CU(ws.alloc(&kp.dks, NT * H * K));
+    if (pr.path && oh.dw_bytes >= NT * H * K * sizeof(float)) kp.dks = static_cast<float*>(oh.dw);
+    else PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
     if (msv_early) PA_CU(ws.alloc(&kp.msv, size_t(kp.nsuper) * H * kp.sc * K * K));  // super_prep -> super_bwd
   }
@@ -584,12 +647,16 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   // qhat), with MHA and K = V, over dvdiag, whose layout it has (bwd_k reads a thread's dvdiag elements before it
   // writes the same dkt elements). Piece 2: dvdiag, dvk and the persistent grids' scratch (bwd_q .. bwd_k), then
   // (msv_early false) msv over all of them but a dvdiag that holds dkt (bwd_k .. super_bwd).
-  const bool dkt_on_dvdiag = !kfar && HQ == H && K == V;
+  // With output memory as workspace, qhat (read by bwd_k where bwd_k_far does not run) in dv's only with kfar,
+  // ks in dk's; then dkt over dvdiag with kfar too.
+  const bool host_qhat = kfar && kp.nsuper > 0 && oh.dv_bytes >= NT * HQ * K * sizeof(__half);
+  const bool host_ks = kp.nsuper > 0 && oh.dk_bytes >= NT * H * K * sizeof(__half);
+  const bool dkt_on_dvdiag = (!kfar || (host_qhat && host_ks)) && HQ == H && K == V;
   Layout l1, l2;
   size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
   if (kp.nsuper > 0) {
-    qhat_off = l1.add(NT * HQ * K * sizeof(__half));
-    ks_off = l1.add(NT * H * K * sizeof(__half));
+    if (!host_qhat) qhat_off = l1.add(NT * HQ * K * sizeof(__half));
+    if (!host_ks) ks_off = l1.add(NT * H * K * sizeof(__half));
   }
   if (!dkt_on_dvdiag) dkt_off = kfar ? l1.at(0, NT * H * K * sizeof(float)) : l1.add(NT * H * K * sizeof(float));
   // With MHA, bwd_k_far adds the far part of dv into dvdiag (dvk is dvdiag: kp.dvk_merged()) rather than into
@@ -605,8 +672,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   PA_CU(ws.alloc(&b1, l1.bytes));
   PA_CU(ws.alloc(&b2, l2.bytes));
   if (kp.nsuper > 0) {
-    kp.qhat = piece<__half>(b1, qhat_off);
-    kp.ks = piece<__half>(b1, ks_off);
+    kp.qhat = host_qhat ? static_cast<__half*>(oh.dv) : piece<__half>(b1, qhat_off);
+    kp.ks = host_ks ? static_cast<__half*>(oh.dk) : piece<__half>(b1, ks_off);
   }
   kp.dkt = dkt_on_dvdiag ? piece<float>(b2, dvdiag_off) : piece<float>(b1, dkt_off);
   kp.dvdiag = piece<float>(b2, dvdiag_off);
@@ -784,8 +851,10 @@ struct CallPlan {
   bool fits() const { return whole || lanes.block * lanes.lanes <= limit; }
 };
 
+// by_pairs: slices of whole batch rows compete with slices of kv heads (core::plan_slices), for a backward that
+// keeps workspace in the outputs of whole-row slices.
 template <class P, class Run>
-Status plan_call(const P& p, const core::Problem& pr, Run run, CallPlan* out) {
+Status plan_call(const P& p, const core::Problem& pr, Run run, CallPlan* out, bool by_pairs = false) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int64_t limit = p.workspace_limit < 0 ? -1 : workspace_limit(p.workspace_limit, p.q, p.k, p.v);
   out->limit = limit;
@@ -829,7 +898,7 @@ Status plan_call(const P& p, const core::Problem& pr, Run run, CallPlan* out) {
     if (p.deterministic && longer_than_four_superblocks(pr)) max_lanes = 1;
   }
   const bool batch_ok = !p.cu_seqlens.present();
-  out->lanes = core::plan_lanes(pr, batch_ok, limit, max_lanes, cost);
+  out->lanes = core::plan_lanes(pr, batch_ok, limit, max_lanes, cost, by_pairs);
   return err;
 }
 
@@ -872,9 +941,9 @@ Status run_planned(const P& p, const core::Problem& pr, Run run, const CallPlan&
 
 // Runs `run` (fwd_run / bwd_run) over the slices the limit asks for.
 template <class P, class Run>
-Status run_sliced(const P& p, const core::Problem& pr, Run run) {
+Status run_sliced(const P& p, const core::Problem& pr, Run run, bool by_pairs = false) {
   CallPlan cp;
-  PA_TRY(plan_call(p, pr, run, &cp));
+  PA_TRY(plan_call(p, pr, run, &cp, by_pairs));
   return run_planned(p, pr, run, cp);
 }
 
@@ -906,21 +975,29 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   // super_bwd running the chain itself (f+b ms at the default limit, dev/cuda/NOTES.md v3.55): K = 128 T = 4k
   // 18.38 -> 17.95, K = 64 T = 4k 18.22 -> 18.07, K = 128 T = 8k 23.69 -> 23.22 (first launch), K = 128 T = 16k
   // 34.26 -> 34.40 (second launch; with the first, 35.49: its slices take 1 batch row instead of 2, v3.54).
-  const auto early = [](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
-    return bwd_run(sp, spr, ws, true);
+  // PATHATTN_CUDA_BWD_OUT_WS=1: output memory as workspace (OutputHost), the plans of whole-row slices beside
+  // those of kv heads, and the M_c launch whose plan holds more (row, head) pairs a slice (not yet the default:
+  // dev/cuda/NOTES.md v3.74).
+  const char* ow_env = std::getenv("PATHATTN_CUDA_BWD_OUT_WS");
+  const bool host_out = ow_env != nullptr && std::strcmp(ow_env, "1") == 0;
+  const auto early = [host_out](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
+    return bwd_run(sp, spr, ws, true, host_out);
   };
-  const auto late = [](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
-    return bwd_run(sp, spr, ws, false);
+  const auto late = [host_out](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
+    return bwd_run(sp, spr, ws, false, host_out);
   };
   // PATHATTN_CUDA_SUPER_MSV=1 / 0 forces the first / the second launch (kernel work and tests).
   const char* msv_env = std::getenv("PATHATTN_CUDA_SUPER_MSV");
   if (msv_env != nullptr && (std::strcmp(msv_env, "0") == 0 || std::strcmp(msv_env, "1") == 0))
-    return msv_env[0] == '1' ? run_sliced(p, pr, early) : run_sliced(p, pr, late);
+    return msv_env[0] == '1' ? run_sliced(p, pr, early, host_out) : run_sliced(p, pr, late, host_out);
   CallPlan a, b;
-  PA_TRY(plan_call(p, pr, early, &a));
+  PA_TRY(plan_call(p, pr, early, &a, host_out));
   if (a.whole) return run_planned(p, pr, early, a);
-  PA_TRY(plan_call(p, pr, late, &b));
-  if (!b.whole && a.fits() && a.lanes.slices[0].nb >= b.lanes.slices[0].nb) return run_planned(p, pr, early, a);
+  PA_TRY(plan_call(p, pr, late, &b, host_out));
+  if (!b.whole && a.fits()) {
+    const Slice &sa = a.lanes.slices[0], &sb = b.lanes.slices[0];
+    if (host_out ? sa.nb * sa.nh >= sb.nb * sb.nh : sa.nb >= sb.nb) return run_planned(p, pr, early, a);
+  }
   return run_planned(p, pr, late, b);
 }
 

@@ -66,6 +66,41 @@ TEST(Slicing, PlanFollowsTheLimit) {
   }
 }
 
+// by_pairs: slices of whole batch rows (every head) compete with slices of kv heads by the (row, head) pairs
+// their first slice holds, for a cost that is cheaper a pair in whole-row slices (the CUDA backward keeping
+// workspace in their output memory).
+TEST(Slicing, ByPairsTakesWholeRowsWhereTheyHoldMore) {
+  // 8 rows, 16 heads; a pair costs 20, 12 in a slice of every head; 30 of fixed cost.
+  auto cost = [](const Slice& s) { return int64_t(30 + (s.nh == 16 ? 12 : 20) * s.nh * s.nb); };
+  const core::Problem pr = problem(8, 16, 1);
+  // 200: one head of all rows (190) fits, two heads (350) do not; a whole row (222) does not fit either:
+  // kv-head slices, with or without by_pairs.
+  EXPECT_EQ(flat(core::plan_slices(pr, true, 200, cost, true)), flat(core::plan_slices(pr, true, 200, cost)));
+  EXPECT_EQ(core::plan_slices(pr, true, 200, cost, true).size(), 16u);
+  // 230: one head of 8 rows (8 pairs) against one row of 16 heads (16 pairs, 222): whole rows, 8 slices.
+  std::vector<Slice> r = core::plan_slices(pr, true, 230, cost, true);
+  ASSERT_EQ(r.size(), 8u);
+  EXPECT_EQ(flat({r[0], r[7]}), (std::vector<int64_t>{0, 1, 0, 16, 7, 1, 0, 16}));
+  EXPECT_EQ(core::plan_slices(pr, true, 230, cost).size(), 16u);  // without it: kv heads
+  // Rows may not be split (varlen): kv heads.
+  EXPECT_EQ(core::plan_slices(pr, false, 230, cost, true).size(), 16u);
+  // A tie in pairs keeps kv heads: 2 heads of 8 rows (350) against 1 row of 16 heads (222) at 400: 16 pairs
+  // each.
+  std::vector<Slice> t = core::plan_slices(pr, true, 400, cost, true);
+  ASSERT_EQ(t.size(), 8u);
+  EXPECT_EQ(t[0].nh, 2);
+  // plan_lanes passes it on: at 460, each of two streams' shares of 230 holds a whole row (16 pairs) where
+  // kv heads give 8.
+  core::LanePlan l = core::plan_lanes(pr, true, 460, 2, cost, true);
+  EXPECT_EQ(l.lanes, 2);
+  EXPECT_EQ(l.slices.size(), 8u);
+  EXPECT_EQ(l.slices[0].nh, 16);
+  EXPECT_EQ(l.block, 222);
+  core::LanePlan k = core::plan_lanes(pr, true, 460, 2, cost);
+  EXPECT_EQ(k.slices.size(), 16u);
+  EXPECT_EQ(k.slices[0].nh, 1);
+}
+
 // lanes, number of slices, block bytes of a lane plan.
 std::vector<int64_t> shape(const core::LanePlan& p) {
   return {p.lanes, int64_t(p.slices.size()), p.block};

@@ -535,6 +535,66 @@ TEST(CudaBackend, WorkspaceLimitSlicesBitwise) {
   }
 }
 
+// PATHATTN_CUDA_BWD_OUT_WS=1: the backward keeps k~, ks, qhat and dks in the memory of the gradient outputs
+// (dq, dk, dv, dw) until it writes them, where those are dense blocks (whole calls; with one kv head, every
+// slice). Deterministic mode: bitwise the default layout's results, whole and sliced, with qhat hosted (MHA,
+// K = V, the far kernels) and not (GQA with qhat larger than dv; K != V), the gate on and off; the whole call's
+// workspace high-water below the default layout's. Default mode with the fused far kernel: within the oracle
+// tolerances.
+TEST(CudaBackend, OutputsAsWorkspace) {
+  REQUIRE_GPU();
+  int dev = 0;
+  cudaMemPool_t pool;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
+  auto high_water = [&](bool reset) {
+    unsigned long long v = 0;
+    if (reset) {
+      EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+    }
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+    return v;
+  };
+  struct Sp {
+    int64_t T, HQ, H, K, V, B;
+    bool gate;
+  };
+  for (const Sp& x : {Sp{1200, 1, 1, 128, 128, 3, false}, Sp{1200, 2, 1, 64, 64, 3, true},
+                      Sp{700, 1, 1, 128, 64, 2, false}}) {
+    CaseSpec s = mk(x.T, x.HQ, x.H, x.K, x.V, x.gate, BetaMode::uniform02, DType::bf16, 131 + x.T + x.K + x.V);
+    s.B = x.B;
+    Case c = Case::make(s);
+    HostTensor dout = random_dout(c, 132);
+    GpuCase gc(c, &dout);
+    high_water(true);
+    GpuRun base = run_gpu(gc, true, true, -1);
+    const unsigned long long hw_base = high_water(false);
+    ASSERT_TRUE(base.fs.ok() && base.bs.ok()) << base.fs.message() << base.bs.message();
+    setenv("PATHATTN_CUDA_BWD_OUT_WS", "1", 1);
+    high_water(true);
+    GpuRun whole = run_gpu(gc, true, true, -1);
+    const unsigned long long hw_whole = high_water(false);
+    GpuRun sliced = run_gpu(gc, true, true, 1);  // a slice a batch row (one kv head: dense outputs)
+    unsetenv("PATHATTN_CUDA_BWD_OUT_WS");
+    for (const GpuRun* r : {&whole, &sliced}) {
+      ASSERT_TRUE(r->fs.ok() && r->bs.ok()) << r->fs.message() << r->bs.message();
+      const std::string what = s.name() + (r == &whole ? ", whole" : ", sliced");
+      EXPECT_TRUE(same_bits(r->dq, base.dq) && same_bits(r->dk, base.dk) && same_bits(r->dv, base.dv))
+          << "dq / dk / dv differ, " << what;
+      EXPECT_TRUE(same_bits(r->dw, base.dw) && same_bits(r->dbeta, base.dbeta) && same_bits(r->dg, base.dg))
+          << "dw / dbeta / dg differ, " << what;
+    }
+    // The forward's workspace is the same in both; the backward's is smaller with the outputs holding part.
+    EXPECT_LT(hw_whole, hw_base) << s.name();
+    std::printf("[out ws] %-60s workspace high-water %.2f -> %.2f MiB\n", s.name().c_str(),
+                double(hw_base) / (1 << 20), double(hw_whole) / (1 << 20));
+  }
+  setenv("PATHATTN_CUDA_BWD_OUT_WS", "1", 1);
+  check_case(mk(1500, 2, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 133), true, {}, true);
+  check_case(mk(1300, 4, 4, 64, 64, false, BetaMode::two, DType::f16, 134), true, {}, true);
+  unsetenv("PATHATTN_CUDA_BWD_OUT_WS");
+}
+
 // The default limit holds: a backward whose workspace would be about 1 GiB in one slice (B = 1, T = 16384,
 // 24 heads, K = 64; q, k, v far below the floor) keeps the stream-ordered pool's high-water mark under the
 // default floor, and its outputs finite.
