@@ -535,6 +535,21 @@ TEST(CudaBackend, WorkspaceLimitSlicesBitwise) {
   }
 }
 
+// The device's default memory pool's high-water mark of used bytes (the workspace's stream-ordered
+// allocations) since the last reset; reset: start a new one.
+double pool_high_water_mib(bool reset) {
+  int dev = 0;
+  cudaMemPool_t pool;
+  EXPECT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
+  unsigned long long v = 0;
+  if (reset) {
+    EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+  }
+  EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
+  return double(v) / double(1 << 20);
+}
+
 // PATHATTN_CUDA_BWD_OUT_WS=1: the backward keeps k~, ks, qhat and dks in the memory of the gradient outputs
 // (dq, dk, dv, dw) until it writes them, where those are dense blocks (whole calls; with one kv head, every
 // slice). Deterministic mode: bitwise the default layout's results, whole and sliced, with qhat hosted (MHA,
@@ -543,18 +558,6 @@ TEST(CudaBackend, WorkspaceLimitSlicesBitwise) {
 // tolerances.
 TEST(CudaBackend, OutputsAsWorkspace) {
   REQUIRE_GPU();
-  int dev = 0;
-  cudaMemPool_t pool;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
-  auto high_water = [&](bool reset) {
-    unsigned long long v = 0;
-    if (reset) {
-      EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
-    }
-    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
-    return v;
-  };
   struct Sp {
     int64_t T, HQ, H, K, V, B;
     bool gate;
@@ -566,14 +569,14 @@ TEST(CudaBackend, OutputsAsWorkspace) {
     Case c = Case::make(s);
     HostTensor dout = random_dout(c, 132);
     GpuCase gc(c, &dout);
-    high_water(true);
+    pool_high_water_mib(true);
     GpuRun base = run_gpu(gc, true, true, -1);
-    const unsigned long long hw_base = high_water(false);
+    const double hw_base = pool_high_water_mib(false);
     ASSERT_TRUE(base.fs.ok() && base.bs.ok()) << base.fs.message() << base.bs.message();
     setenv("PATHATTN_CUDA_BWD_OUT_WS", "1", 1);
-    high_water(true);
+    pool_high_water_mib(true);
     GpuRun whole = run_gpu(gc, true, true, -1);
-    const unsigned long long hw_whole = high_water(false);
+    const double hw_whole = pool_high_water_mib(false);
     GpuRun sliced = run_gpu(gc, true, true, 1);  // a slice a batch row (one kv head: dense outputs)
     unsetenv("PATHATTN_CUDA_BWD_OUT_WS");
     for (const GpuRun* r : {&whole, &sliced}) {
@@ -586,8 +589,7 @@ TEST(CudaBackend, OutputsAsWorkspace) {
     }
     // The forward's workspace is the same in both; the backward's is smaller with the outputs holding part.
     EXPECT_LT(hw_whole, hw_base) << s.name();
-    std::printf("[out ws] %-60s workspace high-water %.2f -> %.2f MiB\n", s.name().c_str(),
-                double(hw_base) / (1 << 20), double(hw_whole) / (1 << 20));
+    std::printf("[out ws] %-60s workspace high-water %.2f -> %.2f MiB\n", s.name().c_str(), hw_base, hw_whole);
   }
   setenv("PATHATTN_CUDA_BWD_OUT_WS", "1", 1);
   check_case(mk(1500, 2, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 133), true, {}, true);
@@ -605,26 +607,14 @@ TEST(CudaBackend, WorkspaceLimitDefaultHolds) {
   Case c = Case::make(s);
   HostTensor dout = random_dout(c, 82);
   GpuCase gc(c, &dout);
-  int dev = 0;
-  cudaMemPool_t pool;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, dev), cudaSuccess);
-  auto high_water = [&](bool reset) {
-    unsigned long long v = 0;
-    if (reset) {
-      EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
-    }
-    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v), cudaSuccess);
-    return double(v) / double(1 << 20);
-  };
-  high_water(true);
+  pool_high_water_mib(true);
   GpuRun unlimited = run_gpu(gc, true, false, -1);
   ASSERT_TRUE(unlimited.fs.ok() && unlimited.bs.ok());
-  const double mib_unlimited = high_water(false);
-  high_water(true);
+  const double mib_unlimited = pool_high_water_mib(false);
+  pool_high_water_mib(true);
   GpuRun r = run_gpu(gc, true, false);
   ASSERT_TRUE(r.fs.ok() && r.bs.ok()) << r.fs.message() << r.bs.message();
-  const double mib = high_water(false);
+  const double mib = pool_high_water_mib(false);
   for (const HostTensor* t : {&r.o, &r.dq, &r.dk, &r.dv, &r.dw, &r.dbeta})
     ASSERT_TRUE(all_finite(t->to_f64()));
   const double floor_mib = double(kDefaultWorkspaceFloor) / double(1 << 20);
