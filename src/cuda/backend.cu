@@ -470,7 +470,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   const OutputHost oh = host_out && !two_size ? output_host(p) : OutputHost{};
   const size_t elem = size_t(dtype_size(p.q.dtype));
-  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first, oh.dq_bytes >= NT * H * K * elem ? oh.dq : nullptr));
+  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first, oh.dq && oh.dq_bytes >= NT * H * K * elem ? oh.dq : nullptr));
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, (NT + kDqtPadRows) * HQ * K));
   // dP, and below dks and dps, are zeroed by the kernels that first run on their items (chunk_prep, super_prep's
@@ -497,7 +497,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
       if ((v == 32 || v == 64 || v == 128) && v <= int(K)) sb_rows = v;
     }
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
-    if (pr.path && oh.dw_bytes >= NT * H * K * sizeof(float)) kp.dks = static_cast<float*>(oh.dw);
+    if (pr.path && oh.dw && oh.dw_bytes >= NT * H * K * sizeof(float)) kp.dks = static_cast<float*>(oh.dw);
     else PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
     if (msv_early) PA_CU(ws.alloc(&kp.msv, size_t(kp.nsuper) * H * kp.sc * K * K));  // super_prep -> super_bwd
@@ -649,8 +649,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   // (msv_early false) msv over all of them but a dvdiag that holds dkt (bwd_k .. super_bwd).
   // With output memory as workspace, qhat (read by bwd_k where bwd_k_far does not run) in dv's only with kfar,
   // ks in dk's; then dkt over dvdiag with kfar too.
-  const bool host_qhat = kfar && kp.nsuper > 0 && oh.dv_bytes >= NT * HQ * K * sizeof(__half);
-  const bool host_ks = kp.nsuper > 0 && oh.dk_bytes >= NT * H * K * sizeof(__half);
+  const bool host_qhat = kfar && kp.nsuper > 0 && oh.dv && oh.dv_bytes >= NT * HQ * K * sizeof(__half);
+  const bool host_ks = kp.nsuper > 0 && oh.dk && oh.dk_bytes >= NT * H * K * sizeof(__half);
   const bool dkt_on_dvdiag = (!kfar || (host_qhat && host_ks)) && HQ == H && K == V;
   Layout l1, l2;
   size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
