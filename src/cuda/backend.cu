@@ -383,9 +383,11 @@ std::pair<uintptr_t, uintptr_t> view_span(const TensorView& t) {
 }
 
 // The bytes of a view whose elements fill one block of memory in row-major order (its strides those of its
-// shape) from a 256-byte boundary (as the workspace's pieces, for the TMA tensor maps over them), else 0.
+// shape) from a 16-byte boundary (the TMA tensor maps' and vector accesses' need), else 0. The same for every
+// slice of whole batch rows of one call (their offsets are multiples of T x heads x K elements, 128 bytes at
+// least), whose workspace the plan measures on the first.
 size_t dense_bytes(const TensorView& t) {
-  if (!t.present() || t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 256 != 0) return 0;
+  if (!t.present() || t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return 0;
   int64_t want = 1;
   for (int i = t.ndim - 1; i >= 0; --i) {
     if (t.shape[i] > 1 && t.stride[i] != want) return 0;
