@@ -396,26 +396,33 @@ size_t dense_bytes(const TensorView& t) {
   return size_t(want) * size_t(dtype_size(t.dtype));
 }
 
+// No byte that dq, dk, dv or dw may touch is one that another tensor of the call may touch. Asked of the whole
+// call (bwd): its slices then hold the same for theirs.
+bool outputs_apart(const PathBwdParams& p) {
+  const TensorView* outs[4] = {&p.dq, &p.dk, &p.dv, &p.dw};
+  const TensorView* all[] = {&p.q, &p.k, &p.v, &p.w, &p.beta, &p.g, &p.o, &p.lse, &p.do_, &p.cu_seqlens,
+                             &p.dq, &p.dk, &p.dv, &p.dw, &p.dbeta, &p.dg};
+  for (const TensorView* x : outs) {
+    const std::pair<uintptr_t, uintptr_t> a = view_span(*x);
+    if (a.first == a.second) continue;
+    for (const TensorView* o : all) {
+      if (o == x) continue;
+      const std::pair<uintptr_t, uintptr_t> b = view_span(*o);
+      if (b.first < b.second && a.first < b.second && b.first < a.second) return false;
+    }
+  }
+  return true;
+}
+
+// The outputs of p (a call or a slice of one whose outputs_apart holds) that are dense blocks.
 OutputHost output_host(const PathBwdParams& p) {
   OutputHost oh;
   const TensorView* outs[4] = {&p.dq, &p.dk, &p.dv, &p.dw};
   void** ptrs[4] = {&oh.dq, &oh.dk, &oh.dv, &oh.dw};
   size_t* sizes[4] = {&oh.dq_bytes, &oh.dk_bytes, &oh.dv_bytes, &oh.dw_bytes};
-  const TensorView* others[] = {&p.q, &p.k, &p.v, &p.w, &p.beta, &p.g, &p.o, &p.lse, &p.do_, &p.cu_seqlens,
-                                &p.dq, &p.dk, &p.dv, &p.dw, &p.dbeta, &p.dg};
   for (int i = 0; i < 4; ++i) {
-    const size_t bytes = dense_bytes(*outs[i]);
-    if (bytes == 0) continue;
-    const std::pair<uintptr_t, uintptr_t> a = view_span(*outs[i]);
-    bool alone = true;
-    for (const TensorView* o : others) {
-      if (o == outs[i]) continue;
-      const std::pair<uintptr_t, uintptr_t> b = view_span(*o);
-      if (b.first < b.second && a.first < b.second && b.first < a.second) alone = false;
-    }
-    if (!alone) continue;
-    *ptrs[i] = outs[i]->data;
-    *sizes[i] = bytes;
+    *sizes[i] = dense_bytes(*outs[i]);
+    if (*sizes[i] > 0) *ptrs[i] = outs[i]->data;
   }
   return oh;
 }
@@ -981,7 +988,7 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   // those of kv heads, and the M_c launch whose plan holds more (row, head) pairs a slice (not yet the default:
   // dev/cuda/NOTES.md v3.74).
   const char* ow_env = std::getenv("PATHATTN_CUDA_BWD_OUT_WS");
-  const bool host_out = ow_env != nullptr && std::strcmp(ow_env, "1") == 0;
+  const bool host_out = ow_env != nullptr && std::strcmp(ow_env, "1") == 0 && outputs_apart(p);
   const auto early = [host_out](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
     return bwd_run(sp, spr, ws, true, host_out);
   };
