@@ -367,10 +367,15 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
 // where it runs) in dv, the key-chain gradient dks (last read by super_bwd) in dw; with qhat and ks gone from
 // piece 1, dkt lies over dvdiag (MHA, K = V; bwd_k reads a thread's dvdiag elements before it writes the same
 // dkt elements). Only outputs that are each one dense block (whole calls and slices of whole batch rows; a
-// slice of kv heads is strided) and overlap no other tensor of the call take part; the rest stay zero here.
+// slice of kv heads is strided) and overlap no other tensor of the call take part; the rest stay empty here.
 struct OutputHost {
-  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dw = nullptr;
-  size_t dq_bytes = 0, dk_bytes = 0, dv_bytes = 0, dw_bytes = 0;
+  struct Block {
+    void* at = nullptr;
+    size_t bytes = 0;
+    // The block where it holds `need` bytes (need > 0), else null.
+    void* fits(size_t need) const { return need > 0 && bytes >= need ? at : nullptr; }
+  };
+  Block dq, dk, dv, dw;
 };
 
 // [lo, hi) of the bytes a view may touch (positive strides), empty for an absent or empty view.
@@ -416,15 +421,8 @@ bool outputs_apart(const PathBwdParams& p) {
 
 // The outputs of p (a call or a slice of one whose outputs_apart holds) that are dense blocks.
 OutputHost output_host(const PathBwdParams& p) {
-  OutputHost oh;
-  const TensorView* outs[4] = {&p.dq, &p.dk, &p.dv, &p.dw};
-  void** ptrs[4] = {&oh.dq, &oh.dk, &oh.dv, &oh.dw};
-  size_t* sizes[4] = {&oh.dq_bytes, &oh.dk_bytes, &oh.dv_bytes, &oh.dw_bytes};
-  for (int i = 0; i < 4; ++i) {
-    *sizes[i] = dense_bytes(*outs[i]);
-    if (*sizes[i] > 0) *ptrs[i] = outs[i]->data;
-  }
-  return oh;
+  auto block = [](const TensorView& t) { return OutputHost::Block{t.data, dense_bytes(t)}; };
+  return {block(p.dq), block(p.dk), block(p.dv), block(p.dw)};
 }
 
 // One backward over the whole of p / pr, as fwd_run.
@@ -479,7 +477,7 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   const size_t NT = size_t(pr.B) * pr.T, H = pr.H, HQ = pr.HQ, K = pr.K, V = pr.V;
   const OutputHost oh = host_out && !two_size ? output_host(p) : OutputHost{};
   const size_t elem = size_t(dtype_size(p.q.dtype));
-  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first, oh.dq && oh.dq_bytes >= NT * H * K * elem ? oh.dq : nullptr));
+  PA_TRY(alloc_common(ws, kp, t, pr, tables, &seq_first, oh.dq.fits(NT * H * K * elem)));
   PA_CU(ws.alloc(&kp.delta, NT * HQ));
   PA_CU(ws.alloc(&kp.dqt, (NT + kDqtPadRows) * HQ * K));
   // dP, and below dks and dps, are zeroed by the kernels that first run on their items (chunk_prep, super_prep's
@@ -506,8 +504,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
       if ((v == 32 || v == 64 || v == 128) && v <= int(K)) sb_rows = v;
     }
     sb_grid = std::min(kp.nsuper * int(H) * int(K) / sb_rows, sms);
-    if (pr.path && oh.dw && oh.dw_bytes >= NT * H * K * sizeof(float)) kp.dks = static_cast<float*>(oh.dw);
-    else PA_CU(ws.alloc(&kp.dks, NT * H * K));
+    kp.dks = static_cast<float*>(oh.dw.fits(NT * H * K * sizeof(float)));
+    if (kp.dks == nullptr) PA_CU(ws.alloc(&kp.dks, NT * H * K));
     PA_CU(ws.alloc(&kp.dps, size_t(kp.nsuper) * H * K * K));
     if (msv_early) PA_CU(ws.alloc(&kp.msv, size_t(kp.nsuper) * H * kp.sc * K * K));  // super_prep -> super_bwd
   }
@@ -658,14 +656,16 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   // (msv_early false) msv over all of them but a dvdiag that holds dkt (bwd_k .. super_bwd).
   // With output memory as workspace, qhat (read by bwd_k where bwd_k_far does not run) in dv's only with kfar,
   // ks in dk's; then dkt over dvdiag with kfar too.
-  const bool host_qhat = kfar && kp.nsuper > 0 && oh.dv && oh.dv_bytes >= NT * HQ * K * sizeof(__half);
-  const bool host_ks = kp.nsuper > 0 && oh.dk && oh.dk_bytes >= NT * H * K * sizeof(__half);
+  const size_t qhat_bytes = NT * HQ * K * sizeof(__half), ks_bytes = NT * H * K * sizeof(__half);
+  __half* const qhat_at = kfar && kp.nsuper > 0 ? static_cast<__half*>(oh.dv.fits(qhat_bytes)) : nullptr;
+  __half* const ks_at = kp.nsuper > 0 ? static_cast<__half*>(oh.dk.fits(ks_bytes)) : nullptr;
+  const bool host_qhat = qhat_at != nullptr, host_ks = ks_at != nullptr;
   const bool dkt_on_dvdiag = (!kfar || (host_qhat && host_ks)) && HQ == H && K == V;
   Layout l1, l2;
   size_t qhat_off = 0, ks_off = 0, dkt_off = 0;
   if (kp.nsuper > 0) {
-    if (!host_qhat) qhat_off = l1.add(NT * HQ * K * sizeof(__half));
-    if (!host_ks) ks_off = l1.add(NT * H * K * sizeof(__half));
+    if (!host_qhat) qhat_off = l1.add(qhat_bytes);
+    if (!host_ks) ks_off = l1.add(ks_bytes);
   }
   if (!dkt_on_dvdiag) dkt_off = kfar ? l1.at(0, NT * H * K * sizeof(float)) : l1.add(NT * H * K * sizeof(float));
   // With MHA, bwd_k_far adds the far part of dv into dvdiag (dvk is dvdiag: kp.dvk_merged()) rather than into
@@ -681,8 +681,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   PA_CU(ws.alloc(&b1, l1.bytes));
   PA_CU(ws.alloc(&b2, l2.bytes));
   if (kp.nsuper > 0) {
-    kp.qhat = host_qhat ? static_cast<__half*>(oh.dv) : piece<__half>(b1, qhat_off);
-    kp.ks = host_ks ? static_cast<__half*>(oh.dk) : piece<__half>(b1, ks_off);
+    kp.qhat = host_qhat ? qhat_at : piece<__half>(b1, qhat_off);
+    kp.ks = host_ks ? ks_at : piece<__half>(b1, ks_off);
   }
   kp.dkt = dkt_on_dvdiag ? piece<float>(b2, dvdiag_off) : piece<float>(b1, dkt_off);
   kp.dvdiag = piece<float>(b2, dvdiag_off);
