@@ -9,7 +9,7 @@ import ctypes
 import datetime
 import math
 import os
-import subprocess
+import statistics
 import sys
 
 import torch
@@ -126,6 +126,44 @@ def ref_fp64(q, k, v, w, beta, g, do=None, scale=None):
     return o.detach(), grads
 
 
+def bench_rounds(cases, rounds, runs, warmup_ms=25):
+    """Times several callables side by side on one GPU. cases: {key: (fn, grad_to_none)}. Each case is first run
+    for about warmup_ms (autotuning, allocator and pool growth fall there), then `rounds` rounds take the cases in
+    turn, the order reversed every other round, each turn one triton do_bench of about `runs` timed runs
+    (return_mode="all"; do_bench clears the L2 before each run), so that a drift of the GPU's speed over the
+    measurement (clocks, temperature) falls on every case alike and no cell rests on one or two runs.
+    Returns {key: [the timed runs' ms of round 0, of round 1, ...]}."""
+    one = {}
+    for key, (fn, gtn) in cases.items():
+        one[key] = min(do_bench(fn, warmup=warmup_ms, rep=1, grad_to_none=gtn, return_mode="all"))
+    out = {key: [] for key in cases}
+    keys = list(cases)
+    for r in range(rounds):
+        for key in (keys if r % 2 == 0 else keys[::-1]):
+            fn, gtn = cases[key]
+            # do_bench takes int(rep / its estimate) runs, its estimate including the L2 clear (~0.1 ms).
+            out[key].append(do_bench(fn, warmup=0, rep=(runs + 0.5) * (one[key] + 0.1), grad_to_none=gtn,
+                                     return_mode="all"))
+    return out
+
+
+def median_ms(rounds_of_runs):
+    """(median over every timed run of every round, number of runs) of one case of bench_rounds."""
+    runs = [t for rnd in rounds_of_runs for t in rnd]
+    return statistics.median(runs), len(runs)
+
+
+def add_case(cases, key, fn, grad_to_none):
+    """Adds fn to bench_rounds' cases if one call of it succeeds (a baseline that cannot run this shape, say
+    cuDNN on an old driver, is left out and its cells print nan)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        cases[key] = (fn, grad_to_none)
+    except Exception as ex:  # noqa: BLE001
+        print(key, "failed:", ex)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -151,6 +189,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="MHA rows only (no GQA / FoX rows)")
     ap.add_argument("--extra-only", action="store_true",
                     help="GQA and PaTH-FoX rows only (no MHA rows, no accuracy or memory sections)")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="rounds of the speed measurement; the cases of a shape take turns in each (bench_rounds)")
+    ap.add_argument("--runs", type=int, default=6, help="timed runs of each case a round")
     ap.add_argument("--profile", action="store_true", help="also print our per-kernel times (stderr) per shape")
     ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
     ap.add_argument("--no-fla", action="store_true",
@@ -177,7 +218,8 @@ def main():
     lines.append(f"Date {datetime.date.today()}, commit {commit}, torch {torch.__version__}, "
                  f"fla-core {getattr(sys.modules.get('fla'), '__version__', '?')}. "
                  f"Command: `bench/gpu_bench.py{shown_flags()}` (scripts/gpu_suite.sh runs it). bf16, causal, B*T = 32768 tokens per call, "
-                 f"median of triton do_bench. Ratios > 1 mean slower than the reference.\n")
+                 f"each time the median of every timed run of triton do_bench over {args.rounds} rounds in which the "
+                 f"cases of a shape take turns (bench_rounds). Ratios > 1 mean slower than the reference.\n")
 
     # ---- accuracy against fp64 (BENCH.md: ours must be no worse than FLA on the same inputs): o and every
     # gradient, relative L2 against fp64 brute force (autograd through the transport), ours / FLA.
@@ -224,6 +266,7 @@ def main():
                  "no limit / FLA f+b |")
     lines.append("|" + "---|" * 17)
     Ts = [int(x) for x in args.Ts.split(",")]
+    runs_seen = set()
     configs = [] if args.extra_only else [(128, 16, 16, False), (64, 32, 32, False)]
     if not args.quick:
         configs += [(128, 16, 4, False), (64, 32, 32, True)]
@@ -240,45 +283,43 @@ def main():
                 ours_fwd(q, k, v, w, beta, g, o, lse)
                 ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
 
-            r = {}
-            r["ours_f"] = do_bench(f_ours, warmup=25, rep=100, return_mode="median")
-            r["ours_fb"] = do_bench(fb_ours, warmup=25, rep=100, return_mode="median")
-            set_workspace_limit(-1)
-            r["ours_fb_nl"] = do_bench(fb_ours, warmup=25, rep=100, return_mode="median")
-            set_workspace_limit(0)
+            def fb_ours_nl():  # the same call in one slice
+                set_workspace_limit(-1)
+                try:
+                    fb_ours()
+                finally:
+                    set_workspace_limit(0)
+
+            cases = {"ours_f": (f_ours, None), "ours_fb": (fb_ours, None), "ours_fb_nl": (fb_ours_nl, None)}
             qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
             if HQ != H:
                 ks = ks.repeat_interleave(HQ // H, dim=1)
                 vs = vs.repeat_interleave(HQ // H, dim=1)
+            qg, kg, vg = (x.detach().requires_grad_() for x in (qs, ks, vs))
+            dos = do.transpose(1, 2)
             baselines = () if args.ours_only else (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
             for name, be in baselines:
-                try:
+                def f_sdpa(be=be):
                     with sdpa_kernel(be):
-                        r[name + "_f"] = do_bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
-                                                  warmup=25, rep=100, return_mode="median")
-                        qg, kg, vg = (x.detach().requires_grad_() for x in (qs, ks, vs))
-                        dos = do.transpose(1, 2)
+                        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
-                        def fb():
-                            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-                            out.backward(dos)
-                        r[name + "_fb"] = do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=[qg, kg, vg])
-                except Exception as ex:  # noqa: BLE001
-                    print(name, "failed:", ex)
+                def fb_sdpa(be=be):
+                    with sdpa_kernel(be):
+                        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dos)
+                add_case(cases, name + "_f", f_sdpa, None)
+                add_case(cases, name + "_fb", fb_sdpa, [qg, kg, vg])
             if parallel_path_attn is not None and not args.ours_only:
-                try:
-                    r["fla_f"] = do_bench(lambda: parallel_path_attn(q, k, v, w, beta, g=g), warmup=25, rep=100,
-                                          return_mode="median")
-                    qg, kg, vg, wg, bg = (x.detach().requires_grad_() for x in (q, k, v, w, beta))
-                    gg = g.detach().requires_grad_() if g is not None else None
+                fg = [x.detach().requires_grad_() for x in (q, k, v, w, beta)]
+                gg = g.detach().requires_grad_() if g is not None else None
 
-                    def fbf():
-                        out, _ = parallel_path_attn(qg, kg, vg, wg, bg, g=gg)
-                        out.backward(do)
-                    r["fla_fb"] = do_bench(fbf, warmup=5, rep=40, return_mode="median",
-                                           grad_to_none=[x for x in (qg, kg, vg, wg, bg, gg) if x is not None])
-                except Exception as ex:  # noqa: BLE001
-                    print("FLA failed:", ex)
+                def fbf():
+                    out, _ = parallel_path_attn(*fg, g=gg)
+                    out.backward(do)
+                add_case(cases, "fla_f", lambda: parallel_path_attn(q, k, v, w, beta, g=g), None)
+                add_case(cases, "fla_fb", fbf, [x for x in fg + [gg] if x is not None])
+            times = bench_rounds(cases, args.rounds, args.runs)
+            r = {key: median_ms(rt)[0] for key, rt in times.items()}
+            runs_seen.update(median_ms(rt)[1] for rt in times.values())
             nan = float("nan")
             g_ = lambda key: r.get(key, nan)  # noqa: E731
             row = (f"| {K} | {HQ}:{H} | {gate} | {T} | {g_('cudnn_f'):.2f} | {g_('flash_f'):.2f} | {g_('fla_f'):.2f} | "
@@ -298,8 +339,11 @@ def main():
             del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
             torch.cuda.empty_cache()
 
+    if runs_seen:
+        lines.append(f"\nTimed runs behind each cell: {min(runs_seen)} .. {max(runs_seen)} ({args.rounds} rounds of "
+                     f"about {args.runs}), after a warm-up of each case.")
     if not args.extra_only:
-        deterministic_section(lines, [T for T in Ts if T in (1024, 16384)] or Ts[:1])
+        deterministic_section(lines, [T for T in Ts if T in (1024, 16384)] or Ts[:1], args.rounds, args.runs)
         memory_section(lines, args.ours_only)
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -308,7 +352,7 @@ def main():
     print(text)
 
 
-def deterministic_section(lines, Ts):
+def deterministic_section(lines, Ts, rounds, runs):
     """Forward+backward time of the deterministic backward against the default one (the MHA shapes)."""
     lines.append("\n## Deterministic mode (forward+backward ms at the default workspace limit)\n")
     lines.append("| K | T | default | deterministic | ratio |")
@@ -318,12 +362,13 @@ def deterministic_section(lines, Ts):
             B = 32768 // T
             q, k, v, w, beta, g, do = make_inputs(B, T, HQ, HQ, K, K, False, seed=T + 1)
             o, lse, dq, dk, dv, dw, dbeta, _ = make_outputs(q, k, v, w, beta, None)
-            t = {}
+            cases = {}
             for det in (False, True):
                 def fb(det=det):
                     ours_fwd(q, k, v, w, beta, None, o, lse)
                     ours_bwd(q, k, v, w, beta, None, o, lse, do, dq, dk, dv, dw, dbeta, None, deterministic=det)
-                t[det] = do_bench(fb, warmup=10, rep=50, return_mode="median")
+                cases[det] = (fb, None)
+            t = {det: median_ms(rt)[0] for det, rt in bench_rounds(cases, rounds, runs).items()}
             row = f"| {K} | {T} | {t[False]:.2f} | {t[True]:.2f} | {t[True] / t[False]:.2f} |"
             lines.append(row)
             print(row, flush=True)

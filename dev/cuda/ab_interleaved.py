@@ -1,7 +1,8 @@
 """dev/cuda/ab_interleaved.py: forward+backward times of several builds of the C ABI library in one process, the
-builds taking turns round by round on the same inputs, so that a drift of the GPU's speed over the run (clocks,
-other work on the machine) falls on every build alike. Prints each build's median over the rounds and, per round,
-its time over the first build's (median, lowest and highest of those ratios).
+builds taking turns round by round on the same inputs (bench/gpu_bench.py's bench_rounds), so that a drift of the
+GPU's speed over the run (clocks, other work on the machine) falls on every build alike. Prints each build's median
+over the rounds of its per-round medians and, per round, its time over the first build's (median, lowest and
+highest of those ratios).
     python3 dev/cuda/ab_interleaved.py --libs a/libpathattn_capi.so b/libpathattn_capi.so --shapes 128:8192 128:4096
 A build may carry environment settings for its calls after an '@' (the library reads its PATHATTN_CUDA_* switches
 at each call), so that one library with and without a switch is an A/B too:
@@ -13,8 +14,6 @@ import statistics
 import sys
 
 import torch
-from triton.testing import do_bench
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import gpu_bench as gb  # noqa: E402
 
@@ -24,7 +23,7 @@ def main():
     ap.add_argument("--libs", nargs="+", required=True)
     ap.add_argument("--shapes", nargs="+", default=["128:8192", "128:4096", "64:4096"], help="K:T, B * T = 32768")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--rep-ms", type=int, default=60, help="do_bench's rep (ms) a build a round")
+    ap.add_argument("--runs", type=int, default=4, help="timed runs of each build a round")
     a = ap.parse_args()
     libs, envs, names = [], [], []
     for spec in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
@@ -41,20 +40,17 @@ def main():
         q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, HQ, K, K, False, seed=T + K)
         o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
 
-        def fb():
-            gb.ours_fwd(q, k, v, w, beta, g, o, lse)
-            gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
-        times = [[] for _ in libs]
-        for r in range(a.rounds):
-            order = list(range(len(libs)))
-            if r % 2:
-                order.reverse()
-            for i in order:
+        def case(i):
+            def fb():
                 gb.LIB = libs[i]
                 for name in switches:
                     os.environ.pop(name, None)
                 os.environ.update(envs[i])
-                times[i].append(do_bench(fb, warmup=10, rep=a.rep_ms, return_mode="median"))
+                gb.ours_fwd(q, k, v, w, beta, g, o, lse)
+                gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
+            return fb, None
+        rounds = gb.bench_rounds({i: case(i) for i in range(len(libs))}, a.rounds, a.runs, warmup_ms=10)
+        times = [[statistics.median(rnd) for rnd in rounds[i]] for i in range(len(libs))]
         print(f"K {K} T {T} ({a.rounds} rounds)")
         for i, name in enumerate(names):
             ratios = [t / t0 for t, t0 in zip(times[i], times[0])]
