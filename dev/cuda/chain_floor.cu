@@ -18,7 +18,7 @@
 // fp16, so all three see the same B), against an fp64 host chain on the same values: relative Frobenius error
 // within 16 steps of 16-bit rounding (tf32 and fp16 both keep 11 significant bits).
 // Build and run (from the repository root; sm_90a):
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc \
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc -Idev/cuda \
 //        dev/cuda/chain_floor.cu -o chain_floor && ./chain_floor [steps]
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,17 +32,9 @@
 
 #include "cuda/common.cuh"
 #include "cuda/hopper.cuh"
+#include "tf32_nt.cuh"  // CK
 
 using namespace pathattn::cuda;
-
-#define CK(x)                                                                           \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 constexpr int kRows = 64;
 

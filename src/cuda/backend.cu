@@ -277,6 +277,14 @@ const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 namespace {
 
+// A superblock size (kSuperChunksShort, kSuperChunksMid or kSuperChunks) from the environment variable `name`,
+// else 0.
+int env_super_chunks(const char* name) {
+  const char* e = std::getenv(name);
+  const int v = e != nullptr ? std::atoi(e) : 0;
+  return v == kSuperChunksShort || v == kSuperChunksMid || v == kSuperChunks ? v : 0;
+}
+
 // The backward's chunks per superblock, by the longest sequence (without the gate, outside deterministic mode):
 // up to 2048 tokens kSuperChunksShort; up to 8192 at K = V = 128 kSuperChunksMid; else kSuperChunksShort up
 // to 4096 and kSuperChunks beyond; kSuperChunks past 8192. Short superblocks shorten the own superblock's
@@ -289,15 +297,23 @@ namespace {
 // forward's. PATHATTN_CUDA_BWD_SUPER_CHUNKS (4, 6 or 8) overrides the choice, for kernel work and tests (the far
 // kernels' key tiles are chunk pairs, so the size must be even).
 int bwd_super_chunks(const core::Problem& pr, bool deterministic) {
-  if (const char* e = std::getenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) {
-    const int v = std::atoi(e);
-    if (v == kSuperChunksShort || v == kSuperChunksMid || v == kSuperChunks) return v;
-  }
+  if (const int v = env_super_chunks("PATHATTN_CUDA_BWD_SUPER_CHUNKS")) return v;
   const int64_t n = longest_seq(pr);
   if (n <= 2048) return kSuperChunksShort;
   if (pr.gate || deterministic || n > 8192) return kSuperChunks;
   if (pr.K == 128 && pr.V == 128) return kSuperChunksMid;  // measured with the fused far kernel (K == V)
   return n > 4096 ? kSuperChunks : kSuperChunksShort;
+}
+
+// The forward's chunks per superblock: kSuperChunks (512 tokens, the size the forward was built and measured
+// with). PATHATTN_CUDA_FWD_SUPER_CHUNKS (4, 6 or 8) overrides it, for kernel work and tests: the forward's
+// superblocks have not been swept as the backward's were (bwd_super_chunks), and shorter ones shorten
+// fwd_scan's own-superblock chains (serial in chunks) while adding crossings to fwd_far (dev/cuda/NOTES.md
+// v3.76). fwd_far's key tiles are chunk pairs and fwd_scan's CTAs at K = 128 take two query chunks of one
+// superblock, so the size must be even.
+int fwd_super_chunks() {
+  const int v = env_super_chunks("PATHATTN_CUDA_FWD_SUPER_CHUNKS");
+  return v != 0 ? v : kSuperChunks;
 }
 
 // One forward over the whole of p / pr (a slice of the call): allocates its workspace from ws and, unless
@@ -306,7 +322,7 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   cudaStream_t s = static_cast<cudaStream_t>(p.stream);
   const int dt = dtype_code(p.q.dtype);
   KernelParams kp{};
-  kp.sc = kSuperChunks;  // fwd.cu and fwd_far.cu take it as a constant
+  kp.sc = fwd_super_chunks();
   const Tables t = build_tables(pr, kp.sc);
   fill_inputs(kp, pr, p.q, p.k, p.v, p.w, p.beta, p.g);
   kp.o = p.o.data;

@@ -60,8 +60,9 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
 
   // Superblocks: chunks [first, qc) are crossed one by one; chunks below `first` are read as ks and crossed
   // a superblock at a time (PaTH only: plain attention has nothing to transport). The CTA's chunks share a
-  // superblock (kSuperChunks is even).
-  const int first = p.path ? (ch.c / kSuperChunks) * kSuperChunks : 0;
+  // superblock (p.sc is even).
+  const int sc = p.sc;
+  const int first = p.path ? (ch.c / sc) * sc : 0;
   // Split (p.ofar set): this kernel stops at the own superblock's start and fwd_far goes on from there.
   const bool split = p.ofar != nullptr && first > 0;
   const int stop = split ? first : 0;
@@ -154,8 +155,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
       if (load_b) load_tile_async<K>(W2s, p.w2h + (tok * p.H + h) * K, int64_t(p.H) * K, kChunk, wtid);
       cp_async_commit();
     }
-    if (far && kc % kSuperChunks == kSuperChunks - 1 && kc >= kSuperChunks) {
-      const __half* src = p.ps + (int64_t(ch.sfirst + kc / kSuperChunks) * p.H + h) * K * K;
+    if (far && kc % sc == sc - 1 && kc >= sc) {
+      const __half* src = p.ps + (int64_t(ch.sfirst + kc / sc) * p.H + h) * K * K;
       for (int r0 = (NP == 1 ? 0 : wg * kChunk); r0 < K; r0 += NP * kChunk)
         load_tile_async<K>(Ws + r0 * LK, src + r0 * K, K, kChunk, wtid);
       cp_async_commit();
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
         warp_mma_rs<__half, K / 16, 8, false>(x, qt, 1.f, Ws, LK, 0);
         warp_mma_rs<__half, 4, K / 8, true>(qt, x, -1.f, W2s, LK, 0);
       }
-    } else if (far && kc > 0 && kc % kSuperChunks == 0) {  // across superblock kc / kSuperChunks: qt <- qt PS
+    } else if (far && kc > 0 && kc % sc == 0) {  // across superblock kc / sc: qt <- qt PS
       float y[K / 8][4];
       zero_acc(y);
       warp_mma_rs<__half, K / 16, K / 8, true>(y, qt, 1.f, Ws, LK, 0);

@@ -29,7 +29,6 @@ constexpr int kFarThreads = 256;                                    // two warpg
 constexpr int kFarKeys = 128;                                       // keys per far chunk
 constexpr int kFarStages = 3;                                       // v: chunk c - 1, c, c + 1
 constexpr int kFarKStages = 2;                                      // k~: chunk c, c + 1
-[[maybe_unused]] constexpr int kFarPerSuper = kSuperChunks * kChunk / kFarKeys;  // far chunks a superblock
 
 // The tensor maps of one call: ks [NT][H][K] (3-D), v [B][T][H][V] with its strides (4-D), ps
 // [nsuper H K][K] (2-D); boxes of 64 columns (128 bytes, 128-byte swizzle) by 128 key rows (K rows for ps).
@@ -82,13 +81,14 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   const int qc = ch.c + (warp >> 2);                       // this warpgroup's query chunk
   const int nq = max(0, min(kChunk, ch.len - qc * kChunk));  // 0: the pair's second chunk is past the end
   const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};
-  const int S = ch.c / kSuperChunks, nfc = S * kFarPerSuper;  // far superblocks S - 1 .. 0, their chunks
+  const int sc = p.sc, fps = sc * kChunk / kFarKeys;  // chunks a superblock, far chunks a superblock (sc even)
+  const int S = ch.c / sc, nfc = S * fps;             // far superblocks S - 1 .. 0, their far chunks
   const int64_t seq_tok0 = ch.b * p.T + ch.t0, tokq0 = seq_tok0 + int64_t(qc) * kChunk;
   const float LOG2E = 1.4426950408889634f;
   const float sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
-  // Far chunk c: superblock S - 1 - c / 4, its 128 keys from c % 4 (the order within a superblock is free).
+  // Far chunk c: superblock S - 1 - c / fps, its 128 keys from c % fps (the order within a superblock is free).
   auto key0 = [&](int c) {
-    return int64_t(S - 1 - c / kFarPerSuper) * kSuperChunks * kChunk + (c % kFarPerSuper) * kFarKeys;
+    return int64_t(S - 1 - c / fps) * sc * kChunk + (c % fps) * kFarKeys;
   };
 
   // Thread 0: chunk c's k~ tile into k~ stage c % 2 and its v tile (with the gate, its keys' gate terms, read
@@ -222,10 +222,10 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     }
     softmax_step(s, m, l, alpha);
   };
-  // Across superblock S - c / 4 (its chunks done): qt <- qt PS with fp16 operands (the state from Sq; the
+  // Across superblock S - c / fps (its chunks done): qt <- qt PS with fp16 operands (the state from Sq; the
   // product's fp32 result goes back rounded to fp16, which is what the next crossing would round it to).
   auto cross = [&](int c) {
-    const int n = c / kFarPerSuper - 1;
+    const int n = c / fps - 1;
     uint32_t qh[K / 16][4];
     get_state(qh);
     mbar_wait(ps_full, uint32_t(n) & 1);
@@ -263,11 +263,11 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     if (threadIdx.x == 0) {
       if (c + 1 < nfc) issue(c + 1);
       // The next superblock product once every warp is past this one (its crossing ran at c - 1).
-      if (c % kFarPerSuper == 1 && c > 1 && c / kFarPerSuper < S - 1) issue_ps(c / kFarPerSuper);
+      if (c % fps == 1 && c > 1 && c / fps < S - 1) issue_ps(c / fps);
     }
     __syncwarp();
     mbar_wait(&full[c % kFarStages], uint32_t(c / kFarStages) & 1);
-    if (c % kFarPerSuper == 0) cross(c);
+    if (c % fps == 0) cross(c);
     fence_regs(s, o, pa, qa);
     wg_fence();
     issue_scores(c);

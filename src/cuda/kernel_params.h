@@ -14,10 +14,10 @@ namespace pathattn::cuda {
 inline constexpr int kChunk = 64;
 // Chunks per superblock of the two-level scan (ALGORITHMS.md section 4): keys beyond the query's own
 // superblock are pre-moved to the end of their superblock and the query crosses a whole superblock with one
-// dense K x K product. The forward always uses kSuperChunks (fwd.cu and fwd_far.cu take it as a constant); the
-// backward's kernels read the call's p.sc, any even number of chunks: kSuperChunksShort, kSuperChunksMid or
-// kSuperChunks by the longest sequence, K, the gate and the deterministic mode (bwd_super_chunks in backend.cu;
-// dev/cuda/NOTES.md v3.33, v3.63, v3.64).
+// dense K x K product. Every kernel reads the call's p.sc, an even number of chunks: the forward kSuperChunks
+// (fwd_super_chunks in backend.cu), the backward kSuperChunksShort, kSuperChunksMid or kSuperChunks by the
+// longest sequence, K, the gate and the deterministic mode (bwd_super_chunks; dev/cuda/NOTES.md v3.33, v3.63,
+// v3.64).
 inline constexpr int kSuperChunks = 8;
 inline constexpr int kSuperChunksShort = 4;
 inline constexpr int kSuperChunksMid = 6;

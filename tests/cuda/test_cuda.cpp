@@ -408,6 +408,27 @@ TEST(CudaBackend, ForwardFarPathAndScanOnly) {
   });
 }
 
+// The forward on superblocks of 4 and 6 chunks (PATHATTN_CUDA_FWD_SUPER_CHUNKS; the default is 8), both far
+// paths, against the oracle: fwd_far's 128-key tiles two or three a superblock, its crossings and their product
+// loads at every size; an odd chunk count, GQA with the gate, varlen with an empty sequence, beta = 2.
+TEST(CudaBackend, ForwardSuperblockSizes) {
+  REQUIRE_GPU();
+  for (const char* sc : {"4", "6"}) {
+    setenv("PATHATTN_CUDA_FWD_SUPER_CHUNKS", sc, 1);
+    on_both_far_paths([] {
+      CaseSpec s = mk(2500, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 141);
+      s.B = 1;
+      check_case(s, false, {}, true);
+      check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 142), false, {}, true);
+      s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 143);
+      s.B = 1;
+      s.seqlens = {0, 1900, 0, 777};
+      check_case(s, false, {}, true);
+    });
+  }
+  unsetenv("PATHATTN_CUDA_FWD_SUPER_CHUNKS");
+}
+
 // The backward's far parts (bwd_k_far alone or with bwd_q_far on Hopper, else the scans alone) against the
 // oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
 // or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
