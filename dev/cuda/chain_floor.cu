@@ -11,6 +11,9 @@
 //              mma.sync m16n8k16 (warp_ps_step: rows scaled by powers of two first); no barrier at all.
 //   f16_wgmma: x in registers, one warpgroup a chain, B in fp16 shared memory as column blocks of K rows x 64
 //              with the 128-byte swizzle, wgmma with x as the register A operand (ps_product, rows scaled).
+//   f16_wg_ss: as f16_wgmma, but x goes through shared memory each step (rows scaled, fp16, the same swizzled
+//              layout) and both operands come from there, between two barriers of the warpgroup: the form a
+//              product takes where the chain's state is not its left factor (a transposed or right operand).
 // Chains a CTA (C) and CTAs an SM (R) set how many chains an SM holds at once. Printed per variant: ns a step
 // (one chain's latency: every CTA runs `steps` steps), and TFLOP/s over the GPU (every chain's steps over the
 // kernel's time).
@@ -120,6 +123,62 @@ __global__ void f16_wgmma(const float* x0, const float* B, float* out, int steps
   if (blockIdx.x == 0 && threadIdx.x < 128) store_rows<K>(out, x);
 }
 
+// ---- f16_wg_ss: per warpgroup, x's 64 x K fp16 tile (column blocks of 64 rows x 64, 128-byte swizzle) after
+// B's tile, from a 1024-byte boundary.
+template <int K>
+constexpr size_t f16_wg_ss_smem(int chains) {
+  return size_t(K) * K * sizeof(__half) + size_t(chains) * kRows * K * sizeof(__half) + 1024;
+}
+template <int K>
+__global__ void f16_wg_ss(const float* x0, const float* B, float* out, int steps) {
+  extern __shared__ __align__(16) uint8_t sms[];
+  __half* bs = reinterpret_cast<__half*>(align1k(sms));
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  __half* xs = bs + K * K + wg * kRows * K;
+  for (int i = threadIdx.x; i < K * K; i += blockDim.x) {
+    const int r = i / K, c = i % K, cc = c % 64;
+    bs[(c / 64) * K * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7))] = __float2half_rn(B[i]);
+  }
+  fence_async_smem();
+  __syncthreads();
+  float x[K / 8][4];
+  load_rows<K>(x, x0);
+  auto wg_bar = [wg]() { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
+  for (int s = 0; s < steps; ++s) {
+    float up[2];
+    row_scale_down(x, up);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 16 * warp + (lane >> 2) + 8 * hr;
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) {
+        const int c = 8 * nt + 2 * (lane & 3), cc = c % 64;
+        *reinterpret_cast<uint32_t*>(xs + (c / 64) * kRows * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7))) =
+            Pack2<__half>::pack(x[nt][2 * hr], x[nt][2 * hr + 1]);
+      }
+    }
+    fence_async_smem();
+    wg_bar();  // every warp's rows of x are in place
+    const char* xa = reinterpret_cast<const char*>(xs);
+    const char* bb = reinterpret_cast<const char*>(bs);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < K / 16; ++kt) {
+      const uint64_t da = smem_desc_sw128(xa + (kt / 4) * kRows * 128 + (kt % 4) * 32, 16, 1024);
+#pragma unroll
+      for (int j = 0; j < K / 64; ++j)  // output columns 64 j .. 64 j + 63: B's column block j
+        wg_ss<__half, 0, 1>(*reinterpret_cast<float(*)[8][4]>(&x[8 * j]),
+                            da, smem_desc_sw128(bb + j * K * 128 + kt * 16 * 128, K * 128, 1024), kt > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(x);
+    wg_bar();  // every warp's product is done reading x's tile before the next step writes it
+    row_scale_up(x, up);
+  }
+  if (blockIdx.x == 0 && threadIdx.x < 128) store_rows<K>(out, x);
+}
+
 struct Variant {
   const char* name;
   void (*kern)(const float*, const float*, float*, int);
@@ -134,6 +193,7 @@ std::vector<Variant> variants() {
   v.push_back({"tf32_cta", tf32_cta<K>, tf32_smem<K>(), kTcThreads, 1});
   for (int c : {1, 2, 3, 4}) v.push_back({"f16_warp", f16_warp<K>, f16_warp_smem<K>(), 128 * c, c});
   for (int c : {1, 2, 3, 4}) v.push_back({"f16_wgmma", f16_wgmma<K>, f16_wgmma_smem<K>(), 128 * c, c});
+  for (int c : {1, 2, 3, 4}) v.push_back({"f16_wg_ss", f16_wg_ss<K>, f16_wg_ss_smem<K>(c), 128 * c, c});
   return v;
 }
 

@@ -1000,11 +1000,13 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   // super_bwd running the chain itself (f+b ms at the default limit, dev/cuda/NOTES.md v3.55): K = 128 T = 4k
   // 18.38 -> 17.95, K = 64 T = 4k 18.22 -> 18.07, K = 128 T = 8k 23.69 -> 23.22 (first launch), K = 128 T = 16k
   // 34.26 -> 34.40 (second launch; with the first, 35.49: its slices take 1 batch row instead of 2, v3.54).
-  // PATHATTN_CUDA_BWD_OUT_WS=1: output memory as workspace (OutputHost), the plans of whole-row slices beside
-  // those of kv heads, and the M_c launch whose plan holds more (row, head) pairs a slice (not yet the default:
-  // dev/cuda/NOTES.md v3.74).
+  // Output memory as workspace (OutputHost), the plans of whole-row slices beside those of kv heads, and the M_c
+  // launch whose plan holds more (row, head) pairs a slice: kBwdOutWsDefault (off until measured:
+  // dev/cuda/NOTES.md v3.74); PATHATTN_CUDA_BWD_OUT_WS=1 / 0 forces it on / off.
+  constexpr bool kBwdOutWsDefault = false;
   const char* ow_env = std::getenv("PATHATTN_CUDA_BWD_OUT_WS");
-  const bool host_out = ow_env != nullptr && std::strcmp(ow_env, "1") == 0 && outputs_apart(p);
+  const bool ow_set = ow_env != nullptr && (std::strcmp(ow_env, "1") == 0 || std::strcmp(ow_env, "0") == 0);
+  const bool host_out = (ow_set ? ow_env[0] == '1' : kBwdOutWsDefault) && outputs_apart(p);
   const auto early = [host_out](const PathBwdParams& sp, const core::Problem& spr, Workspace& ws) {
     return bwd_run(sp, spr, ws, true, host_out);
   };

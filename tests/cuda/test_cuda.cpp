@@ -571,9 +571,9 @@ double pool_high_water_mib(bool reset) {
   return double(v) / double(1 << 20);
 }
 
-// PATHATTN_CUDA_BWD_OUT_WS=1: the backward keeps k~, ks, qhat and dks in the memory of the gradient outputs
-// (dq, dk, dv, dw) until it writes them, where those are dense blocks (whole calls; with one kv head, every
-// slice). Deterministic mode: bitwise the default layout's results, whole and sliced, with qhat hosted (MHA,
+// PATHATTN_CUDA_BWD_OUT_WS=1 against =0: the backward keeps k~, ks, qhat and dks in the memory of the gradient
+// outputs (dq, dk, dv, dw) until it writes them, where those are dense blocks (whole calls; with one kv head,
+// every slice). Deterministic mode: bitwise the default layout's results, whole and sliced, with qhat hosted (MHA,
 // K = V, the far kernels) and not (GQA with qhat larger than dv; K != V), the gate on and off; the whole call's
 // workspace high-water below the default layout's. Default mode with the fused far kernel: within the oracle
 // tolerances.
@@ -590,6 +590,7 @@ TEST(CudaBackend, OutputsAsWorkspace) {
     Case c = Case::make(s);
     HostTensor dout = random_dout(c, 132);
     GpuCase gc(c, &dout);
+    setenv("PATHATTN_CUDA_BWD_OUT_WS", "0", 1);  // the default layout, whatever the default is
     pool_high_water_mib(true);
     GpuRun base = run_gpu(gc, true, true, -1);
     const double hw_base = pool_high_water_mib(false);
