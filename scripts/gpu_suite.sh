@@ -18,8 +18,8 @@
 #   the driver compiles for the device at load, with the code that __CUDA_ARCH__ = 800 selects (no far kernels).
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
-#   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu: once; self-checking; prebuilt in DIR or built
-#   with nvcc).
+#   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu, chain_floor.cu: once; self-checking; prebuilt
+#   in DIR or built with nvcc).
 #   --python-only: only the Python package's GPU tests (no build directory, no C++ tests, no benchmark);
 #   --no-python: the C++ tests without the Python package's (a machine that limits one command's time can run
 #   the two parts as two commands: the wheel's build and its tests take minutes).
@@ -131,13 +131,15 @@ fi
 if [ "$PLAY" = 1 ]; then
   # The far-loop playgrounds, one process per version (a wrong descriptor or barrier parity faults or traps and
   # must not take the other versions with it); a program without a version list (swizzle_tiles: the chunk
-  # kernels' fp32 tile layouts; inverse: their triangular inverse) runs once with its defaults.
+  # kernels' fp32 tile layouts; inverse: their triangular inverse; chain_floor: a dependent chain step's cost)
+  # runs once with its defaults.
   echo "== playgrounds"
-  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0 swizzle_tiles: inverse:; do
+  for prog in far_tiling:v16,v16p,v16x2,v32,vw,vw2,vw3,vw4,vw5,vw6,vw7 far_bwd:bq16,bqw,bkw,bkw0 swizzle_tiles: inverse: chain_floor:; do
     name=${prog%%:*} vers=${prog#*:}
     exe=$BUILD/$name
     if [ ! -x "$exe" ] && command -v nvcc > /dev/null; then
-      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Idev/cuda "dev/cuda/$name.cu" -o "$OUTDIR/$name" \
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc -Idev/cuda \
+        "dev/cuda/$name.cu" -o "$OUTDIR/$name" \
         && exe=$OUTDIR/$name
     fi
     if [ ! -x "$exe" ]; then echo "$name: not built (no nvcc)"; status=1; continue; fi
