@@ -101,6 +101,20 @@ __global__ void f16_warp(const float* x0, const float* B, float* out, int steps)
   if (blockIdx.x == 0 && threadIdx.x < 128) store_rows<K>(out, x);
 }
 
+// Element (r, c) of a tile with `rows` rows stored as column blocks of rows x 64 16-bit elements with the
+// 128-byte swizzle (as TMA writes a tile and the wgmma descriptors of hopper.cuh read it).
+__device__ __forceinline__ int sw128_at(int rows, int r, int c) {
+  const int cc = c % 64;
+  return (c / 64) * rows * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7));
+}
+// The K x K fp32 matrix B into bs in fp16 in that layout (K rows), made visible to wgmma and to the block.
+template <int K>
+__device__ void stage_b_sw128(__half* bs, const float* B) {
+  for (int i = threadIdx.x; i < K * K; i += blockDim.x) bs[sw128_at(K, i / K, i % K)] = __float2half_rn(B[i]);
+  fence_async_smem();
+  __syncthreads();
+}
+
 // ---- f16_wgmma: C chains of one warpgroup; B as column blocks of K rows x 64, 128-byte swizzle (as TMA writes
 // a K x K tile and ps_product reads it), from a 1024-byte boundary.
 template <int K>
@@ -111,12 +125,7 @@ template <int K>
 __global__ void f16_wgmma(const float* x0, const float* B, float* out, int steps) {
   extern __shared__ __align__(16) uint8_t smg[];
   __half* bs = reinterpret_cast<__half*>(align1k(smg));
-  for (int i = threadIdx.x; i < K * K; i += blockDim.x) {
-    const int r = i / K, c = i % K, cc = c % 64;
-    bs[(c / 64) * K * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7))] = __float2half_rn(B[i]);
-  }
-  fence_async_smem();
-  __syncthreads();
+  stage_b_sw128<K>(bs, B);
   float x[K / 8][4];
   load_rows<K>(x, x0);
   for (int s = 0; s < steps; ++s) ps_product<K, false, true>(x, bs);
@@ -135,12 +144,7 @@ __global__ void f16_wg_ss(const float* x0, const float* B, float* out, int steps
   __half* bs = reinterpret_cast<__half*>(align1k(sms));
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   __half* xs = bs + K * K + wg * kRows * K;
-  for (int i = threadIdx.x; i < K * K; i += blockDim.x) {
-    const int r = i / K, c = i % K, cc = c % 64;
-    bs[(c / 64) * K * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7))] = __float2half_rn(B[i]);
-  }
-  fence_async_smem();
-  __syncthreads();
+  stage_b_sw128<K>(bs, B);
   float x[K / 8][4];
   load_rows<K>(x, x0);
   auto wg_bar = [wg]() { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
@@ -152,8 +156,7 @@ __global__ void f16_wg_ss(const float* x0, const float* B, float* out, int steps
       const int r = 16 * warp + (lane >> 2) + 8 * hr;
 #pragma unroll
       for (int nt = 0; nt < K / 8; ++nt) {
-        const int c = 8 * nt + 2 * (lane & 3), cc = c % 64;
-        *reinterpret_cast<uint32_t*>(xs + (c / 64) * kRows * 64 + r * 64 + ((((cc >> 3) ^ (r & 7)) << 3) | (cc & 7))) =
+        *reinterpret_cast<uint32_t*>(xs + sw128_at(kRows, r, 8 * nt + 2 * (lane & 3))) =
             Pack2<__half>::pack(x[nt][2 * hr], x[nt][2 * hr + 1]);
       }
     }
