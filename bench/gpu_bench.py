@@ -126,18 +126,24 @@ def ref_fp64(q, k, v, w, beta, g, do=None, scale=None):
     return o.detach(), grads
 
 
-def bench_rounds(cases, rounds, runs, warmup_ms=25):
+def bench_rounds(cases, rounds, runs, warmup_ms=25, may_fail=()):
     """Times several callables side by side on one GPU. cases: {key: (fn, grad_to_none)}. Each case is first run
     for about warmup_ms (autotuning, allocator and pool growth fall there), then `rounds` rounds take the cases in
     turn, the order reversed every other round, each turn one triton do_bench of about `runs` timed runs
     (return_mode="all"; do_bench clears the L2 before each run), so that a drift of the GPU's speed over the
-    measurement (clocks, temperature) falls on every case alike and no cell rests on one or two runs.
-    Returns {key: [the timed runs' ms of round 0, of round 1, ...]}."""
+    measurement (clocks, temperature) falls on every case alike and no cell rests on one or two runs. A case in
+    may_fail whose warm-up raises (a baseline that cannot run the shape) is left out; any other raises.
+    Returns {key: [the timed runs' ms of round 0, of round 1, ...]} for the cases kept."""
     one = {}
     for key, (fn, gtn) in cases.items():
-        one[key] = min(do_bench(fn, warmup=warmup_ms, rep=1, grad_to_none=gtn, return_mode="all"))
-    out = {key: [] for key in cases}
-    keys = list(cases)
+        try:
+            one[key] = min(do_bench(fn, warmup=warmup_ms, rep=1, grad_to_none=gtn, return_mode="all"))
+        except Exception as ex:  # noqa: BLE001
+            if key not in may_fail:
+                raise
+            print(key, "failed:", ex)
+    keys = list(one)
+    out = {key: [] for key in keys}
     for r in range(rounds):
         for key in (keys if r % 2 == 0 else keys[::-1]):
             fn, gtn = cases[key]
@@ -151,17 +157,6 @@ def median_ms(rounds_of_runs):
     """(median over every timed run of every round, number of runs) of one case of bench_rounds."""
     runs = [t for rnd in rounds_of_runs for t in rnd]
     return statistics.median(runs), len(runs)
-
-
-def add_case(cases, key, fn, grad_to_none):
-    """Adds fn to bench_rounds' cases if one call of it succeeds (a baseline that cannot run this shape, say
-    cuDNN on an old driver, is left out and its cells print nan)."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        cases[key] = (fn, grad_to_none)
-    except Exception as ex:  # noqa: BLE001
-        print(key, "failed:", ex)
 
 
 def rel(a, b):
@@ -306,8 +301,8 @@ def main():
                 def fb_sdpa(be=be):
                     with sdpa_kernel(be):
                         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dos)
-                add_case(cases, name + "_f", f_sdpa, None)
-                add_case(cases, name + "_fb", fb_sdpa, [qg, kg, vg])
+                cases[name + "_f"] = (f_sdpa, None)
+                cases[name + "_fb"] = (fb_sdpa, [qg, kg, vg])
             if parallel_path_attn is not None and not args.ours_only:
                 fg = [x.detach().requires_grad_() for x in (q, k, v, w, beta)]
                 gg = g.detach().requires_grad_() if g is not None else None
@@ -315,11 +310,13 @@ def main():
                 def fbf():
                     out, _ = parallel_path_attn(*fg, g=gg)
                     out.backward(do)
-                add_case(cases, "fla_f", lambda: parallel_path_attn(q, k, v, w, beta, g=g), None)
-                add_case(cases, "fla_fb", fbf, [x for x in fg + [gg] if x is not None])
-            times = bench_rounds(cases, args.rounds, args.runs)
-            r = {key: median_ms(rt)[0] for key, rt in times.items()}
-            runs_seen.update(median_ms(rt)[1] for rt in times.values())
+                cases["fla_f"] = (lambda: parallel_path_attn(q, k, v, w, beta, g=g), None)
+                cases["fla_fb"] = (fbf, [x for x in fg + [gg] if x is not None])
+            baseline_keys = [key for key in cases if not key.startswith("ours")]
+            medians = {key: median_ms(rt) for key, rt in
+                       bench_rounds(cases, args.rounds, args.runs, may_fail=baseline_keys).items()}
+            r = {key: ms for key, (ms, _) in medians.items()}
+            runs_seen.update(n for _, n in medians.values())
             nan = float("nan")
             g_ = lambda key: r.get(key, nan)  # noqa: E731
             row = (f"| {K} | {HQ}:{H} | {gate} | {T} | {g_('cudnn_f'):.2f} | {g_('flash_f'):.2f} | {g_('fla_f'):.2f} | "
