@@ -2,7 +2,7 @@
 // SM must run to hide it. Self-checking, self-timing playground for the per-chunk kernels' rebuild (NOTES.md,
 // "What the 3x-cuDNN bar at T = 4k asks of the per-token work"). One step is x <- x B for a 64 x K state x and a
 // K x K matrix B (2 * 64 * K^2 flops), the next step's left operand being this one's result, as in the chunk
-// kernels' chains (U = E diag(b) Z, the transports, the UT adjoint), taken three ways:
+// kernels' chains (U = E diag(b) Z, the transports, the UT adjoint), taken four ways:
 //   tf32_cta:  as the chunk kernels do today: a 512-thread CTA a chain, x and B^T in fp32 shared memory, the
 //              product by block_mm_tc (tf32 mma.sync, operands by paired shared loads, src/cuda/common.cuh), the
 //              result stored back over x, two CTA barriers a step (the product's, and the one before the next
