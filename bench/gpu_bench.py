@@ -179,7 +179,7 @@ def shown_flags():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build-cuda/libpathattn_capi.so")
-    ap.add_argument("--out", default="bench/results/gpu_h200.md")
+    ap.add_argument("--out", default="results/bench/gpu_h200.md")
     ap.add_argument("--Ts", default="1024,2048,4096,8192,16384")
     ap.add_argument("--quick", action="store_true", help="MHA rows only (no GQA / FoX rows)")
     ap.add_argument("--extra-only", action="store_true",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/gpu_suite.sh: everything the CUDA backend needs checked on a GPU machine, in one go: build (unless
 # a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
-# racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing bench/results/gpu_h200.md.
+# racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing results/bench/gpu_h200.md.
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
 # opcheck / torch.compile, prefill and decode on the GPU) with a pathattn wheel built with the CUDA backend for
 # this machine's Python: one found in .whl/ (or WHEELS), else built here (sm_90a) when WHEELS/build holds the
@@ -23,20 +23,20 @@
 #   --python-only: only the Python package's GPU tests (no build directory, no C++ tests, no benchmark);
 #   --no-python: the C++ tests without the Python package's (a machine that limits one command's time can run
 #   the two parts as two commands: the wheel's build and its tests take minutes).
-#   --quick: MHA rows only (bench/results/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
-#   bench/results/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
+#   --quick: MHA rows only (results/bench/gpu_h200.md); --extra-only: the GQA and PaTH-FoX rows only, into
+#   results/bench/gpu_h200_extra.md (the full run writes every row into gpu_h200.md).
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide), with the
 #   flash-linear-attention wheel beside it for the Python layer test (fla.layers; skipped without it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUILD=build-cuda QUICK="" TABLE=bench/results/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
+BUILD=build-cuda QUICK="" TABLE=results/bench/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
 SM80="" PYONLY=0 PY=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
     --quick) QUICK="$QUICK --quick" ;;
-    --extra-only) QUICK="$QUICK --extra-only"; TABLE=bench/results/gpu_h200_extra.md ;;
+    --extra-only) QUICK="$QUICK --extra-only"; TABLE=results/bench/gpu_h200_extra.md ;;
     --profile) QUICK="$QUICK --profile" ;;
     --Ts) TS=$2; shift ;;
     --no-bench) BENCH=0 ;;
