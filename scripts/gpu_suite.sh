@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu_suite.sh: everything the CUDA backend needs checked on a GPU machine, in one go: build (unless
 # a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
-# racecheck on small cases, and the BENCH.md benchmark (bench/gpu_bench.py) writing results/bench/gpu_h200.md.
+# racecheck on small cases, and the training-op benchmark (bench/gpu_bench.py, docs/benchmarks.md) writing
+# results/bench/gpu_h200.md.
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
 # opcheck / torch.compile, prefill and decode on the GPU) with a pathattn wheel built with the CUDA backend for
 # this machine's Python: one found in .whl/ (or WHEELS), else built here (sm_90a) when WHEELS/build holds the
@@ -19,7 +20,7 @@
 #   The GPU tests include the engine's (tests/cuda/test_engine_cuda) when DIR has them; --probe also runs the
 #   chunk kernels' phase probe (dev/cuda/phase_probe.cu); --playgrounds the playgrounds (dev/cuda/far_tiling.cu,
 #   far_bwd.cu: each version alone; swizzle_tiles.cu, inverse.cu, chain_floor.cu: once; self-checking; prebuilt
-#   in DIR or built with nvcc).
+#   in DIR or built by dev/cuda/Makefile).
 #   --python-only: only the Python package's GPU tests (no build directory, no C++ tests, no benchmark);
 #   --no-python: the C++ tests without the Python package's (a machine that limits one command's time can run
 #   the two parts as two commands: the wheel's build and its tests take minutes).
@@ -85,7 +86,7 @@ if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
     tail -3 "$OUTDIR/memcheck.log"
     # racecheck on a case without far superblocks (T = 150): it takes the far kernels' bulk copies into shared
     # memory, which complete on mbarrier transaction counts it does not follow, for writes racing with the reads
-    # that wait for them (dev/cuda/NOTES.md v3.58); the 100-run race test covers those kernels.
+    # that wait for them (docs/cuda.md, "Checks"); the 100-run race test covers those kernels.
     compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST" --gtest_filter='CudaBackend.PlainAttentionWithoutW' \
       > "$OUTDIR/racecheck.log" 2>&1; echo "racecheck rc=$?" | tee -a "$OUTDIR/racecheck.log"
     tail -3 "$OUTDIR/racecheck.log"
@@ -118,12 +119,11 @@ fi
 
 if [ "$PROBE" = 1 ]; then
   # Per-phase cycles of the chunk kernels (dev/cuda/phase_probe.cu): prebuilt in the build directory, or
-  # built here with the toolkit's nvcc.
+  # built here by dev/cuda/Makefile.
   echo "== chunk-kernel phase probe"
   PP=$BUILD/phase_probe
   if [ ! -x "$PP" ] && command -v nvcc > /dev/null; then
-    nvcc -std=c++17 -O3 -arch=sm_90a -Isrc -DPATHATTN_PHASE_PROBE dev/cuda/phase_probe.cu src/cuda/prep.cu \
-      src/cuda/bwd_chunk.cu -o "$OUTDIR/phase_probe" && PP=$OUTDIR/phase_probe
+    make -s -C dev/cuda phase_probe && PP=dev/cuda/build/phase_probe
   fi
   if [ -x "$PP" ]; then "$PP" | tee "$OUTDIR/phase_probe.txt" || status=1; else echo "phase probe: not built (no nvcc)"; status=1; fi
 fi
@@ -138,9 +138,7 @@ if [ "$PLAY" = 1 ]; then
     name=${prog%%:*} vers=${prog#*:}
     exe=$BUILD/$name
     if [ ! -x "$exe" ] && command -v nvcc > /dev/null; then
-      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc -Idev/cuda \
-        "dev/cuda/$name.cu" -o "$OUTDIR/$name" \
-        && exe=$OUTDIR/$name
+      make -s -C dev/cuda "$name" && exe=dev/cuda/build/$name
     fi
     if [ ! -x "$exe" ]; then echo "$name: not built (no nvcc)"; status=1; continue; fi
     if [ -z "$vers" ]; then

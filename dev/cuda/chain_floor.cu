@@ -1,5 +1,5 @@
 // dev/cuda/chain_floor.cu: what one dependent step of a chunk kernel's product chain costs, and how many chains an
-// SM must run to hide it. Self-checking, self-timing playground for the per-chunk kernels' rebuild (NOTES.md,
+// SM must run to hide it. Self-checking, self-timing playground for the per-chunk kernels' rebuild (HISTORY.md,
 // "What the 3x-cuDNN bar at T = 4k asks of the per-token work"). One step is x <- x B for a 64 x K state x and a
 // K x K matrix B (2 * 64 * K^2 flops), the next step's left operand being this one's result, as in the chunk
 // kernels' chains (U = E diag(b) Z, the transports, the UT adjoint), taken four ways:

@@ -1,7 +1,7 @@
 // dev/cuda/far_bwd.cu: the query side of the backward's far loop, alone: bwd_q's pass 2 over the keys of far
 // superblocks without the crossings. Per 64-key chunk: S = q k^T, dP = dO v^T, P = 2^(S scale log2(e) - lse2),
 // dS = P (dP - delta), gq += scale dS k; bf16 operands, fp32 accumulation. How fast does it run on mma.sync, as
-// bwd_q runs it, and on wgmma with TMA tiles, as fwd_far runs the forward's (NOTES v3.15: 545 TFLOP/s for the
+// bwd_q runs it, and on wgmma with TMA tiles, as fwd_far runs the forward's (HISTORY.md v3.15: 545 TFLOP/s for the
 // forward's loop in dev/cuda/far_tiling.cu vw6 against 320 on mma.sync)? Versions:
 //   bq16: 4 warps x 16 rows (a 64-row tile), q and dO staged in shared memory once, k / v tiles double-buffered
 //         by cp.async, S and dP by ldmatrix-fed mma.sync, gq += dS k with dS from registers: bwd_q's far loop;

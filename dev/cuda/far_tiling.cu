@@ -1,5 +1,5 @@
 // dev/cuda/far_tiling.cu: how fast can the scans' far-chunk loop run with mma.sync, and does the tiling bound it?
-// Self-checking, self-timing playground for the question NOTES.md (v3.10's table) leaves: the far loop of
+// Self-checking, self-timing playground for the question HISTORY.md (v3.10's table) leaves: the far loop of
 // fwd_scan (and of bwd_q / bwd_k) holds 16 query rows per warp, so each k~ / v fragment a warp reads from
 // shared memory (ldmatrix) feeds one m-tile; FlashAttention-2 holds 32 rows per warp and halves those reads per
 // FLOP. The loop here is the far part alone (keys already transported: S = Q K^T, online softmax in base 2,
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(VER == 2 ? 2 * kThreads : kThreads) far16_kern
 // D direction) are 128 bytes apart, along the rows (D / 8) 128 bytes apart. Copy i of the NT threads goes to
 // byte 16 i: a warp writes 512 contiguous bytes (four core matrices) and reads 8 rows x 64 bytes. (Copies
 // taken row by row, 16 consecutive segments of one row per half warp, scatter a warp's destinations over 16
-// core matrices; L1 then fetched every sector from L2 twice: measured, NOTES v3.12.)
+// core matrices; L1 then fetched every sector from L2 twice: measured, HISTORY.md v3.12.)
 template <int D, int NT>
 __device__ __forceinline__ void load_core_async(T* dst, const T* src, int64_t stride) {
   char* d = reinterpret_cast<char*>(dst);
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(128 * WG) farw_kernel(Args a) {
   load(0, 0);
   // Byte offsets between core matrices: k~ is K-major (K along the row), v is N-major (V along the row). The
   // descriptor's leading offset is the one along K (the inner dimension), its stride offset along M / N, as
-  // CUTLASS documents them (the other reading faults: NOTES v3.12).
+  // CUTLASS documents them (the other reading faults: HISTORY.md v3.12).
   constexpr uint32_t kAlongRow = 128, kKRows = (K / 8) * 128, kVRows = (V / 8) * 128;
   constexpr uint32_t k_lbo = kAlongRow, k_sbo = kKRows, v_lbo = kVRows, v_sbo = kAlongRow;
   uint32_t qa[K / 16][4];

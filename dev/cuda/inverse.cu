@@ -1,5 +1,5 @@
 // dev/cuda/inverse.cu: the chunk kernels' triangular inverse E = (I + A)^-1 (A strictly lower, 64 x 64), alone.
-// Self-checking, self-timing playground for NOTES.md v3.22. The phase probe puts the inverse at 16k cycles of an
+// Self-checking, self-timing playground for HISTORY.md v3.22. The phase probe puts the inverse at 16k cycles of an
 // 84k-cycle chunk_prep CTA at K = 128 (19%; 29% at K = 64) and 10k of bwd_chunk's 155k. Versions:
 //   v1: the library's before v3.22 (kept here as it was): the whole tile zero-filled above the diagonal and a
 //       barrier; the four 16 x 16 diagonal blocks by forward substitution, 4 lanes a column, 15 dependent

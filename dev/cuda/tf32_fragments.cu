@@ -1,5 +1,5 @@
 // dev/cuda/tf32_fragments.cu: how much of a chunk-kernel product is fragment assembly? Self-checking,
-// self-timing playground for the v3 plan (NOTES.md, "Profile of v2.1"): the 64 x N x KD tf32 products of the
+// self-timing playground for the v3 plan (HISTORY.md, "Profile of v2.1"): the 64 x N x KD tf32 products of the
 // chunk kernels with one operand stored [row][k] and the other [col][k] in shared memory (A = W W^T,
 // Z = W K^T, X = Q W^T), computed
 //   v0: with the library's accessor-fed fragments (mma_tc_acc from src/cuda/common.cuh, as the kernels do);
