@@ -1,4 +1,4 @@
-// apps/cmd_bench.cpp: `pathattn bench`: the CPU speed ratios of issue 2 from one run (BENCH.md, CPU section).
+// apps/cmd_bench.cpp: `pathattn bench`: the CPU speed ratios of issue 2 from one run (docs/benchmarks.md, "CPU").
 // fp32, B = 1, HQ = H = heads, K = V: the fp64 oracle forward, the fast PaTH forward and forward+backward,
 // the library's plain causal attention (same op, w and beta absent) forward and forward+backward, and a
 // large cblas_sgemm on the same BLAS and thread count. Prints medians, effective GFLOP/s and the ratios.

@@ -226,7 +226,7 @@ void register_engine(CLI::App& app, int* exit_code) {
   });
 
   // repro
-  CLI::App* repro = app.add_subcommand("repro", "Reproduce the paper's synthetic results (REPRO.md)");
+  CLI::App* repro = app.add_subcommand("repro", "Reproduce the paper's synthetic results (docs/reproductions.md)");
   repro->require_subcommand(1);
   add_repro(*repro, "flipflop", "Flip-flop LM, Table 1: PaTH vs RoPE at 1 layer, 2 heads, width 64",
             std::make_shared<ReproArgs>(), exit_code);

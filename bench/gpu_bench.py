@@ -1,4 +1,4 @@
-"""bench/gpu_bench.py: the training-op benchmark of BENCH.md on one GPU, in one process on the same inputs:
+"""bench/gpu_bench.py: the training-op benchmark of docs/benchmarks.md on one GPU, in one process on the same inputs:
 pathattn's CUDA backend (through the C ABI library libpathattn_capi.so, loaded with ctypes), torch SDPA with
 the cuDNN and the flash backends, and flash-linear-attention's parallel_path_attn (Triton, fla-core wheel).
 Also: bf16 accuracy of ours and of FLA against an fp64 brute-force reference, and peak memory of fwd+bwd.
@@ -90,7 +90,7 @@ def make_outputs(q, k, v, w, beta, g):
 
 
 def ref_fp64(q, k, v, w, beta, g, do=None, scale=None):
-    """o of PaTH in fp64 by brute force (SPEC.md): the queries are moved one Householder step at a time, each step
+    """o of PaTH in fp64 by brute force (docs/spec.md): the queries are moved one Householder step at a time, each step
     making the moved rows anew (out of place) so that autograd can walk it. With do: (o, [dq, dk, dv, dw, dbeta,
     dg]) by autograd (dg None without g); else o alone, without the graph."""
     B, T, HQ, K = q.shape
@@ -191,7 +191,7 @@ def main():
     ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
     ap.add_argument("--no-fla", action="store_true",
                     help="write the table without the public Triton kernel (its columns nan) where fla-core cannot "
-                         "be imported; without this flag that is an error, since BENCH.md compares in the same run")
+                         "be imported; without this flag that is an error, since docs/benchmarks.md compares in the same run")
     args = ap.parse_args()
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -216,7 +216,7 @@ def main():
                  f"each time the median of every timed run of triton do_bench over {args.rounds} rounds in which the "
                  f"cases of a shape take turns (bench_rounds). Ratios > 1 mean slower than the reference.\n")
 
-    # ---- accuracy against fp64 (BENCH.md: ours must be no worse than FLA on the same inputs): o and every
+    # ---- accuracy against fp64 (docs/benchmarks.md: ours must be no worse than FLA on the same inputs): o and every
     # gradient, relative L2 against fp64 brute force (autograd through the transport), ours / FLA.
     acc_cases = [] if args.extra_only else [(512, 64, False), (512, 64, True), (2048, 128, False), (2048, 128, True)]
     names = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
@@ -374,7 +374,7 @@ def deterministic_section(lines, Ts, rounds, runs):
 
 
 def memory_section(lines, ours_only):
-    """Peak memory of forward + backward, extra over the inputs (BENCH.md shape)."""
+    """Peak memory of forward + backward, extra over the inputs (docs/benchmarks.md, the memory shape)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     lines.append("\n## Peak memory of forward+backward, extra over the inputs (B=4, T=16384, HQ=H=24, K=V=64, bf16)\n")
     lines.append("| op | GiB |")

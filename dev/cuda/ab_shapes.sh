@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dev/cuda/ab_shapes.sh: forward and forward+backward times of two builds of the C ABI library on BENCH.md
+# dev/cuda/ab_shapes.sh: forward and forward+backward times of two builds of the C ABI library on benchmark
 # shapes, in the order A B B A per shape (so that a drift of the GPU's clock shows as A != A), through
 # dev/cuda/shape.py (which also checks the output against fp64). For a kernel change: build the library
 # before and after, then

@@ -6,7 +6,7 @@
 // aloc); U and k~ are computed in split-tf32 here (plain in the library).
 // Self-checking: the library's chunk_prep (src/cuda/prep.cu, through its launcher) and v3 against an fp64
 // host UT transform on sampled chunks, and v3 against the library on every output. Self-timing: both kernels
-// on a BENCH.md shape (B * T = 32768 tokens).
+// on a benchmark shape (B * T = 32768 tokens).
 // Build and run from the repository root:
 //   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc dev/cuda/chunk_prep_v3.cu src/cuda/prep.cu -o chunk_prep_v3
 //   ./chunk_prep_v3            # K = 128 (H = 16) and K = 64 (H = 32), T = 1024

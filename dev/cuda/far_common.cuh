@@ -1,5 +1,5 @@
 // dev/cuda/far_common.cuh: what the far-loop playgrounds (far_tiling.cu, far_bwd.cu) share: the problem (the
-// BENCH.md T = 16k shape's far work at K = V = 128, bf16), their random inputs, and 2-D TMA tensor maps over
+// benchmark T = 16k shape's far work at K = V = 128, bf16), their random inputs, and 2-D TMA tensor maps over
 // [H rows][cols] bf16 tensors. Host code; the device helpers are the library's (src/cuda/common.cuh, hopper.cuh).
 #pragma once
 

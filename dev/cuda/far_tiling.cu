@@ -27,7 +27,7 @@
 // v16 .. vw2 double-buffer the k / v tiles with cp.async (load_tile_async, load_core_async) as fwd_scan does;
 // vw3 .. vw7 keep three stages, copied by cp.async (vw3, vw5) or loaded by TMA (vw4, vw6, vw7).
 // Check: head 0's first 128 rows of each version against a host softmax (double) over the same bf16 inputs
-// (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the BENCH.md T = 16k, K = 128 shape's far
+// (relative L2 <= 1e-2: P is rounded to bf16 before P V). Timing: the benchmark T = 16k, K = 128 shape's far
 // work, H = 32 heads x 16384 query rows x 8192 keys (2.2 TFLOP, the attention forward's count at that shape),
 // median of 5 timed runs after a warm-up, with TFLOP/s.
 // Build and run (from the repository root):

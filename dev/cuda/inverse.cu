@@ -10,7 +10,7 @@
 //       warps (block pairs (0, 1) and (2, 3) are each one warp's columns: a syncwarp, no CTA barrier); a
 //       barrier; level 2 on four warps; a barrier. Two barriers against four.
 // A per CTA: strict_lower(diag(b) W W^T) of unit rows w (K = 64 random directions; or 4 directions, the
-// stress case of ALGORITHMS.md), b ~ U(0, 2) or b = 2. Check: both versions against an fp64 forward
+// stress case of docs/algorithms.md), b ~ U(0, 2) or b = 2. Check: both versions against an fp64 forward
 // substitution (max relative error over the entries of E, relative to max |E| of the tile). Timing: 8192 CTAs
 // of 512 threads, `reps` inverses each, median of 7 launches, at one or two CTAs per SM (bwd_chunk runs one,
 // chunk_prep two, at 64 registers).
@@ -155,7 +155,7 @@ void run_case(int blocks, int reps, bool two_per_sm, int dirs, bool beta2) {
       err[v] = std::max(err[v], e / mx);
     }
   }
-  const double bound = 1e-5;  // fp32 and split-tf32 work on O(1) entries (ALGORITHMS.md: fp32-class accuracy)
+  const double bound = 1e-5;  // fp32 and split-tf32 work on O(1) entries (docs/algorithms.md: fp32-class accuracy)
   const bool ok = err[0] <= bound && err[1] <= bound;
   float t[2];
   for (int v = 0; v < 2; ++v)

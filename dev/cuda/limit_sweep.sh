@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dev/cuda/limit_sweep.sh: forward and forward+backward time of BENCH.md shapes at several workspace limits, with
+# dev/cuda/limit_sweep.sh: forward and forward+backward time of benchmark shapes at several workspace limits, with
 # each call's workspace high-water and the slice plans the limit gave (the forward's and the backward's, in sorted
 # order), on a GPU machine.
 # The limits run in palindromic order (as listed, then reversed), so that a drift of the GPU's clock shows as a

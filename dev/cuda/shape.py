@@ -1,4 +1,5 @@
-"""dev/cuda/shape.py: one BENCH.md shape through pathattn's CUDA backend, self-checking and self-timing.
+"""dev/cuda/shape.py: one benchmark shape (docs/benchmarks.md) through pathattn's CUDA backend, self-checking
+and self-timing.
 
 Checks the bf16 output of the current build against an fp64 brute-force reference on the first sequence's
 first `--check-rows` query rows of one head, then times forward and forward+backward (median of triton's
@@ -24,7 +25,7 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=32768, help="B * T")
-    ap.add_argument("--HQ", type=int, default=0, help="query heads (0: 2048 / K, as BENCH.md)")
+    ap.add_argument("--HQ", type=int, default=0, help="query heads (0: 2048 / K, as docs/benchmarks.md)")
     ap.add_argument("--H", type=int, default=0, help="kv heads (0: HQ; fewer for GQA)")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--deterministic", action="store_true", help="the backward in deterministic mode")

@@ -1,4 +1,4 @@
-"""dev/cuda/timeline.py: where the GPU is idle during one forward+backward of a BENCH.md shape.
+"""dev/cuda/timeline.py: where the GPU is idle during one forward+backward of a benchmark shape (docs/benchmarks.md).
 
 Runs the shape through pathattn's C ABI under torch.profiler (CUDA activity: every kernel, memset and copy on
 the device, with start and end), then prints the call's span, the time some activity was running, the idle

@@ -1,5 +1,5 @@
 """Shared helpers of the pathattn Python tests: seeded inputs, an independent numpy reference of the op
-(SPEC.md section 1, written from the definition with explicit Householder steps), error metrics, and
+(docs/spec.md, section 1, written from the definition with explicit Householder steps), error metrics, and
 skips for backends this build or machine does not have."""
 import zlib
 

@@ -1,4 +1,4 @@
-"""prefill / decode_step (numpy): prefill + N steps equals one forward over all tokens (SPEC.md section 7),
+"""prefill / decode_step (numpy): prefill + N steps equals one forward over all tokens (docs/spec.md, section 7),
 for batches, varlen prompts, gates, cache growth; and argument errors."""
 import numpy as np
 import pytest

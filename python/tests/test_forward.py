@@ -152,7 +152,7 @@ def test_use_cache_returns_transported_keys(rng, backend, cu):
 
 
 def test_householder_swap_transports_one_hot_keys():
-    # SPEC.md section 7: beta = 2, w = (e_a - e_b)/sqrt(2) swaps coordinates a and b exactly.
+    # docs/spec.md, section 7: beta = 2, w = (e_a - e_b)/sqrt(2) swaps coordinates a and b exactly.
     K = 8
     q = np.zeros((1, 2, 1, K))
     k = np.zeros((1, 2, 1, K))

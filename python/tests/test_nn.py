@@ -56,7 +56,7 @@ def make_layer(cfg, backend="oracle", seed=0):
 
 
 def ref_layer(layer, x):
-    """Float64 re-implementation from SPEC.md section 4 for one unpadded sequence batch x [B, T, hidden]."""
+    """Float64 re-implementation from docs/spec.md, section 4 for one unpadded sequence batch x [B, T, hidden]."""
     sd = {k: v.detach().double() for k, v in layer.state_dict().items()}
     x = x.detach().double()
     B, T, _ = x.shape

@@ -1,4 +1,4 @@
-// tests/cpp/test_decode.cpp: prefill and decode (SPEC.md section 6) against the forward and the definition:
+// tests/cpp/test_decode.cpp: prefill and decode (docs/spec.md, section 6) against the forward and the definition:
 // prefill's cache against explicit K x K matrix products, prefill + N decode steps against one oracle forward
 // over all tokens (fp64 and fp32), varlen slots, bad input, and the drift of a bf16-rounded key cache.
 #include <gtest/gtest.h>
@@ -548,7 +548,7 @@ TEST(Decode, VarlenSlotsEachMatchTheirOwnForward) {
   }
 }
 
-// The swap check (SPEC.md section 7) through decode: beta = 2 and w = (e_a - e_b)/sqrt(2) swap coordinates
+// The swap check (docs/spec.md, section 7) through decode: beta = 2 and w = (e_a - e_b)/sqrt(2) swap coordinates
 // a and b exactly, so a cached one-hot key becomes the permuted one-hot vector, bit for bit.
 TEST(Decode, SwapStepPermutesCachedKeysExactly) {
   const int64_t K = 8, V = 8;

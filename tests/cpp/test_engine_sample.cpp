@@ -1,5 +1,5 @@
 // tests/cpp/test_engine_sample.cpp: incremental generation in the CPU engine. Model::prefill + decode_step
-// (the attention decode cache, SPEC.md section 6) against the full forward over the same tokens, per attention
+// (the attention decode cache, docs/spec.md, section 6) against the full forward over the same tokens, per attention
 // kind, MHA and GQA, in fp64 on the oracle backend and fp32 on the cpu backend; `sample` of trained checkpoints
 // against the old generation loop (a full forward per token), kept here as the reference.
 #include <gtest/gtest.h>

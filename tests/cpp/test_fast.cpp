@@ -180,7 +180,7 @@ TEST(FastPath, SingleTokenOutputIsValue) {
   }
 }
 
-// Swap check (SPEC.md section 7): beta_t = 2 and w_t = (e_a - e_b) / sqrt(2) make H_t the permutation
+// Swap check (docs/spec.md, section 7): beta_t = 2 and w_t = (e_a - e_b) / sqrt(2) make H_t the permutation
 // swapping coordinates a and b. With one-hot queries and keys every logit is 0 or 1 and is predicted by
 // tracking where the key's 1 moves, with no matrix arithmetic. The log-weights of o recover the logits.
 TEST(FastPath, SwapCheck) {

@@ -1,4 +1,4 @@
-// tests/cpp/test_validation.cpp: bad input (SPEC.md section 5) against path_attn_fwd / path_attn_bwd on the
+// tests/cpp/test_validation.cpp: bad input (docs/spec.md, section 5) against path_attn_fwd / path_attn_bwd on the
 // oracle and cpu backends. Every rejected call must return the expected code, a message that starts with
 // the argument's name, and leave every tensor byte-identical (guards included). Also: legal no-ops (T = 0,
 // B = 0), arbitrary strides, NaN / Inf confinement to the outputs they reach, and the validating mode.

@@ -806,7 +806,7 @@ TEST(CudaBackend, LongSequenceSampledRows) {
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Prefill and decode on a device cache (SPEC.md section 6): the cache against the CPU prefill on the same
+// Prefill and decode on a device cache (docs/spec.md, section 6): the cache against the CPU prefill on the same
 // inputs, prefill + 200 decode steps against one fp64 oracle forward over all tokens, varlen slots with an
 // empty sequence against the CPU prefill + decode, and bad input.
 
