@@ -347,7 +347,7 @@ TEST(CudaBackend, PlainAttentionWithoutW) {
 
 // Gradients far below and far above fp16's range (dO ~ N(0, 1e-18) and N(0, 1e14), bf16): the transport adjoints
 // take fp16 operands after scaling each row, and the dP / dPS sums after scaling each tile, by a power of two
-// (dev/cuda/NOTES.md v3.57); without the scales the first flushes to zero and the second overflows.
+// (docs/cuda.md, "Precision choices"); without the scales the first flushes to zero and the second overflows.
 TEST(CudaBackend, GradientRange) {
   REQUIRE_GPU();
   CaseSpec s = mk(1100, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 41);
