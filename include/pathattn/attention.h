@@ -67,8 +67,9 @@ struct PathFwdParams {
   // runs the call in slices of kv heads (then of batch rows), each with its own workspace; results are those
   // of one call. 0 = default, the larger of kDefaultWorkspaceFloor (512 MiB) and the bytes of q, k and v;
   // < 0 = no limit (one slice; results/bench/gpu_h200*.md give what slicing costs; a limit whose plan runs two
-  // streams of slices of two or more kv heads can be faster than one slice, docs/cuda.md, "Workspace planning"). A single
-  // (batch row, kv head) slice is never split further, so a call may exceed a limit below that slice's need.
+  // streams of slices of two or more kv heads can be faster than one slice: docs/cuda.md, "Workspace
+  // planning"). A single (batch row, kv head) slice is never split further, so a call may exceed a limit
+  // below that slice's need.
   int64_t workspace_limit = 0;
 };
 
