@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # scripts/test.sh: the test command (README, .ci/run). Stages, each run even if an earlier one failed, with
 # a summary at the end and a non-zero exit code if any failed:
+#   0. every markdown link resolves to a file in the repository (scripts/check_links.py; a second or two);
 #   1. Release build in build/ and the whole ctest suite;
 #   2. install into build-install/, build examples/find_package against it (find_package(pathattn)), run it;
 #   3. AddressSanitizer + UndefinedBehaviorSanitizer build in build-asan/ (RelWithDebInfo) and the ctest
@@ -73,6 +74,7 @@ cuda_build() {
   ./build-cuda/tests/cuda/test_cuda --gtest_brief=1
 }
 
+stage "markdown links" python3 scripts/check_links.py
 stage "release build" release_build
 if [[ " ${failed[*]} " == *" release build "* ]]; then
   echo "=== release tests, find_package example: skipped (the build failed)"
