@@ -191,7 +191,8 @@ def main():
     ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
     ap.add_argument("--no-fla", action="store_true",
                     help="write the table without the public Triton kernel (its columns nan) where fla-core cannot "
-                         "be imported; without this flag that is an error, since docs/benchmarks.md compares in the same run")
+                         "be imported; without this flag that is an error, since docs/benchmarks.md compares in the "
+                         "same run")
     args = ap.parse_args()
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
