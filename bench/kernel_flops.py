@@ -312,6 +312,88 @@ def attention_flops(B, T, HQ, K, backward=False):
     return 3.5 * f if backward else f
 
 
+# ---- the table of measured times (gpu_bench.py --kernels; torch is imported only here)
+COUNTS_NOTE = ("FLOP counts: bench/kernel_flops.py's model of the tensor-core products each kernel issues (2 FLOP a "
+               "multiply-add, read off src/cuda): the chunk kernels' triangular products as the warps' k ranges run "
+               "them, causal and masked tiles whole, split-precision products once per pass; softmax, exponentials, "
+               "reductions, copies and other CUDA-core work count nothing. Times: device time of each kernel under "
+               "torch.profiler, its launches summed, one call after a warm-up, one slice (workspace limit off).")
+
+
+def kernel_name(raw):
+    """The profiler's name of a device activity, shortened as dev/cuda/timeline.py's short() does (the kernel's
+    function name), with the model's names found inside a mangled one."""
+    for k in sorted(KERNELS, key=len, reverse=True):
+        if k in raw:
+            return k
+    name = raw.replace("(anonymous namespace)", "").split("(")[0].split("<")[0]
+    return name.split("::")[-1].strip()[:40] or raw[:40]
+
+
+def profile_call(fn):
+    """Runs fn once under torch.profiler (CUDA activity) and returns summarize() of its device activities."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return summarize([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA])
+
+
+def summarize(events):
+    """events: (start us, end us, profiler name) of device activities. Returns ({name: [ms, launches, first start]},
+    device span ms, busy ms): each kernel's time summed over its launches (kernel_name's names; memsets and copies
+    under their own), the span from the first start to the last end, and the time some activity ran."""
+    ev = sorted((s, e, kernel_name(n)) for s, e, n in events)
+    acc, busy, cur = {}, 0.0, None
+    for s, e, name in ev:
+        a = acc.setdefault(name, [0.0, 0, s])
+        a[0] += (e - s) / 1e3
+        a[1] += 1
+        if cur is None or s > cur[1]:
+            busy += 0 if cur is None else cur[1] - cur[0]
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    busy += 0 if cur is None else cur[1] - cur[0]
+    span = (ev[-1][1] - ev[0][0]) / 1e3 if ev else 0.0
+    return acc, span, busy / 1e3
+
+
+def table(title, measured, model, reference):
+    """Markdown lines: kernel | launches | ms | GFLOP | TFLOP/s | share, in launch order, and the call's row.
+    measured: profile_call's result; model: kernel_flops' dict; reference: the FlashAttention formula's FLOPs."""
+    acc, span, busy = measured
+    total_ms = sum(a[0] for a in acc.values())
+    out = [f"\n### {title}\n", "| kernel | launches | ms | GFLOP | TFLOP/s | share of the call's time |",
+           "|---|---|---|---|---|---|"]
+    unknown = []
+    for name, (ms, n, _) in sorted(acc.items(), key=lambda x: x[1][2]):
+        copy = name.startswith(("Memcpy", "Memset"))
+        fl = 0 if copy else model.get(name)
+        if fl is None:
+            unknown.append(name)
+        gf = "-" if fl is None else f"{fl / 1e9:.1f}"
+        rate = f"{fl / (ms * 1e-3) / 1e12:.0f}" if fl and ms > 0 else "-"
+        out.append(f"| {name} | {n} | {ms:.3f} | {gf} | {rate} | {100 * ms / total_ms:.1f}% |")
+    fl = sum(v for k, v in model.items() if k in acc)
+    mark = " (modeled kernels only)" if unknown else ""
+    out.append(f"| **call** (kernels summed) | {sum(a[1] for a in acc.values())} | {total_ms:.3f} | "
+               f"{fl / 1e9:.1f}{mark} | {fl / (total_ms * 1e-3) / 1e12:.0f} | 100% |")
+    out.append(f"\nDevice span {span:.3f} ms, {busy:.3f} ms of it with some activity running; the FlashAttention "
+               f"formula for the shape {reference / 1e9:.1f} GFLOP ({reference / (total_ms * 1e-3) / 1e12:.0f} "
+               f"TFLOP/s over the kernels' time).")
+    missing = [k for k, v in model.items() if k not in acc]
+    if unknown:
+        out.append(f"\nWarning: not in the FLOP model (extend bench/kernel_flops.py): {', '.join(unknown)}.")
+    if missing:
+        out.append(f"\nWarning: the model expects kernels that did not run (its launch sequence differs from this "
+                   f"build's or device's): {', '.join(missing)}.")
+    return out
+
+
 # ---- self-test (CPU)
 def selftest():
     fails = []
@@ -359,7 +441,8 @@ def selftest():
     n1 = sum((nc - 1) // sc - c // sc - 1 for c in range(0, nc, 2) if (nc - 1) // sc > c // sc)
     want = 2 * B * H * (far_pairs * 5 * K + n1 * 3 * 128 * K * K)
     check(p["kfuse"] and f["bwd_k_far_kernel"] == want,
-          f"bwd_k_far (fused, sc = {sc}, {n} superblocks) at K = {K} T = {T}: {f['bwd_k_far_kernel'] / 1e9:.1f} GFLOP = "
+          f"bwd_k_far (fused, sc = {sc}, {n} superblocks) at K = {K} T = {T}: "
+          f"{f['bwd_k_far_kernel'] / 1e9:.1f} GFLOP = "
           f"5 products a far pair + 3 K x K a crossing ({want / 1e9:.1f}); "
           f"of which FlashAttention's backward over the same pairs {2.5 * 4 * B * H * far_pairs * K / 1e9:.1f}")
     # dev/cuda/NOTES.md's counts at K = 128 T = 4k (v3.46's table, sc = 8): chunk_prep 66 GFLOP a launch, bwd_chunk
@@ -407,6 +490,24 @@ def selftest():
     attn = (nc * (nc - 1) // 2) * C * C * 2 * K + nc * C * C * K
     check(fw["fwd_scan_kernel"] + fw["fwd_far_kernel"] == 2 * (attn + cross),
           "fwd_scan + fwd_far = chunk-granular causal S and P V + the transports")
+    # The table from synthetic profiler events: launches summed per kernel, demangled and mangled names, memsets at
+    # 0 FLOP, a kernel outside the model shown as "-" and named in a warning.
+    ev = [(0, 100, "void pathattn::cuda::(anonymous namespace)::chunk_prep_kernel<__nv_bfloat16, 128>"
+                   "(pathattn::cuda::KernelParams)"),
+          (100, 110, "Memset (Device)"),
+          (120, 320, "_ZN8pathattn4cuda12_GLOBAL__N_115fwd_scan_kernelI13__nv_bfloat16Li128E"),
+          (320, 420, "void pathattn::cuda::(anonymous namespace)::chunk_prep_kernel<__nv_bfloat16, 128>(x)"),
+          (420, 520, "void pathattn::cuda::(anonymous namespace)::new_kernel<float>(int)")]
+    m = summarize(ev)
+    lines = table("t", m, {"chunk_prep_kernel": 4e9, "fwd_scan_kernel": 1e9}, 1e9)
+    ok = m[0]["chunk_prep_kernel"][:2] == [0.2, 2] and abs(m[1] - 0.52) < 1e-9 and abs(m[2] - 0.51) < 1e-9
+    ok = ok and "| chunk_prep_kernel | 2 | 0.200 | 4.0 | 20 | 39.2% |" in lines
+    ok = ok and "| Memset | 1 | 0.010 | 0.0 | - | 2.0% |" in lines
+    ok = ok and "| new_kernel | 1 | 0.100 | - | - | 19.6% |" in lines
+    call = "| **call** (kernels summed) | 5 | 0.510 | 5.0 (modeled kernels only) | 10 |"
+    ok = ok and any(x.startswith(call) for x in lines)
+    ok = ok and any("not in the FLOP model" in x and "new_kernel" in x for x in lines)
+    check(ok, "table from synthetic profiler events (sums, names, '-' and the warning)")
     print("self-test:", "FAILED " + str(len(fails)) if fails else "passed")
     return not fails
 
