@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+import kernel_flops
+
 LIB = None
 
 
@@ -189,6 +191,10 @@ def main():
     ap.add_argument("--runs", type=int, default=6, help="timed runs of each case a round")
     ap.add_argument("--profile", action="store_true", help="also print our per-kernel times (stderr) per shape")
     ap.add_argument("--ours-only", action="store_true", help="time only pathattn (development runs; no table)")
+    ap.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                    help="our per-kernel time, FLOPs and rate at K = 128 and 64, T = 4096 (kernels_section; on by "
+                         "default in the full run, i.e. without --quick / --extra-only)")
+    ap.add_argument("--kernels-only", action="store_true", help="the per-kernel tables alone, printed (no --out file)")
     ap.add_argument("--no-fla", action="store_true",
                     help="write the table without the public Triton kernel (its columns nan) where fla-core cannot "
                          "be imported; without this flag that is an error, since docs/benchmarks.md compares in the "
@@ -196,6 +202,9 @@ def main():
     args = ap.parse_args()
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.kernels_only:
+        kernels_section([])
+        return
     try:
         from fla.ops.path_attn import parallel_path_attn
     except Exception as e:  # noqa: BLE001
@@ -340,6 +349,8 @@ def main():
     if runs_seen:
         lines.append(f"\nTimed runs behind each cell: {min(runs_seen)} .. {max(runs_seen)} ({args.rounds} rounds of "
                      f"about {args.runs}), after a warm-up of each case.")
+    if args.kernels or (args.kernels is None and not (args.quick or args.extra_only)):
+        kernels_section(lines)
     if not args.extra_only:
         deterministic_section(lines, [T for T in Ts if T in (1024, 16384)] or Ts[:1], args.rounds, args.runs)
         memory_section(lines, args.ours_only)
@@ -348,6 +359,43 @@ def main():
     with open(args.out, "w") as fh:
         fh.write(text)
     print(text)
+
+
+def kernels_section(lines, T=4096):
+    """Our per-kernel table (kernel_flops.table) for one MHA shape per head size, B * T = 32768, bf16: one forward
+    and one forward+backward under torch.profiler after a warm-up, in one slice (workspace limit off), beside the
+    FLOPs bench/kernel_flops.py counts for each kernel."""
+    lines.append("\n## Per kernel (ours): time, FLOPs and rate\n")
+    lines.append(kernel_flops.COUNTS_NOTE)
+    print(lines[-1], flush=True)
+    for K in (128, 64):
+        HQ = H = 2048 // K
+        B = 32768 // T
+        q, k, v, w, beta, _, do = make_inputs(B, T, HQ, H, K, K, False, seed=T + K)
+        o, lse, dq, dk, dv, dw, dbeta, _ = make_outputs(q, k, v, w, beta, None)
+
+        def f():
+            ours_fwd(q, k, v, w, beta, None, o, lse)
+
+        def fb():
+            f()
+            ours_bwd(q, k, v, w, beta, None, o, lse, do, dq, dk, dv, dw, dbeta, None)
+
+        set_workspace_limit(-1)
+        try:
+            for _ in range(3):
+                fb()
+            for what, fn, bwd in (("forward", f, False), ("forward+backward", fb, True)):
+                rows = kernel_flops.table(f"K = V = {K}, HQ = H = {H}, T = {T}, B = {B}: {what}",
+                                          kernel_flops.profile_call(fn),
+                                          kernel_flops.kernel_flops(B, T, H, HQ, K, K, backward=bwd),
+                                          kernel_flops.attention_flops(B, T, HQ, K, backward=bwd))
+                lines.extend(rows)
+                print("\n".join(rows), flush=True)
+        finally:
+            set_workspace_limit(0)
+        del q, k, v, w, beta, do, o, lse, dq, dk, dv, dw, dbeta
+        torch.cuda.empty_cache()
 
 
 def deterministic_section(lines, Ts, rounds, runs):
