@@ -21,7 +21,8 @@ import gpu_bench as gb  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--libs", nargs="+", required=True)
-    ap.add_argument("--shapes", nargs="+", default=["128:8192", "128:4096", "64:4096"], help="K:T, B * T = 32768")
+    ap.add_argument("--shapes", nargs="+", default=["128:8192", "128:4096", "64:4096"],
+                    help="K:T, B * T = 32768; K:T:g with the forget gate")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--runs", type=int, default=4, help="timed runs of each build a round")
     a = ap.parse_args()
@@ -34,10 +35,11 @@ def main():
         names.append((os.path.basename(os.path.dirname(os.path.abspath(path))) or path) + (f"@{env}" if env else ""))
     switches = {k for e in envs for k in e}
     for shape in a.shapes:
-        K, T = (int(x) for x in shape.split(":"))
+        K, T = (int(x) for x in shape.split(":")[:2])
+        gate = shape.endswith(":g")
         HQ = 2048 // K
         B = max(1, 32768 // T)
-        q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, HQ, K, K, False, seed=T + K)
+        q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, HQ, K, K, gate, seed=T + K)
         o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
 
         def case(i):
@@ -51,7 +53,7 @@ def main():
             return fb, None
         rounds = gb.bench_rounds({i: case(i) for i in range(len(libs))}, a.rounds, a.runs, warmup_ms=10)
         times = [[statistics.median(rnd) for rnd in rounds[i]] for i in range(len(libs))]
-        print(f"K {K} T {T} ({a.rounds} rounds)")
+        print(f"K {K} T {T}{' gate' if gate else ''} ({a.rounds} rounds)")
         for i, name in enumerate(names):
             ratios = [t / t0 for t, t0 in zip(times[i], times[0])]
             print(f"  {name:36s} median {statistics.median(times[i]):7.3f} ms (min {min(times[i]):7.3f}, max "
