@@ -195,6 +195,7 @@ def main():
                     help="our per-kernel time, FLOPs and rate at K = 128 and 64, T = 4096 (kernels_section; on by "
                          "default in the full run, i.e. without --quick / --extra-only)")
     ap.add_argument("--kernels-only", action="store_true", help="the per-kernel tables alone, printed (no --out file)")
+    ap.add_argument("--gate", action="store_true", help="with --kernels-only: the shapes with the forget gate")
     ap.add_argument("--no-fla", action="store_true",
                     help="write the table without the public Triton kernel (its columns nan) where fla-core cannot "
                          "be imported; without this flag that is an error, since docs/benchmarks.md compares in the "
@@ -203,7 +204,7 @@ def main():
     load_lib(args.lib)
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.kernels_only:
-        kernels_section([])
+        kernels_section([], gate=args.gate)
         return
     try:
         from fla.ops.path_attn import parallel_path_attn
@@ -361,7 +362,7 @@ def main():
     print(text)
 
 
-def kernels_section(lines, T=4096):
+def kernels_section(lines, T=4096, gate=False):
     """Our per-kernel table (kernel_flops.table) for one MHA shape per head size, B * T = 32768, bf16: one forward
     and one forward+backward under torch.profiler after a warm-up, in one slice (workspace limit off), beside the
     FLOPs bench/kernel_flops.py counts for each kernel."""
@@ -371,30 +372,30 @@ def kernels_section(lines, T=4096):
     for K in (128, 64):
         HQ = H = 2048 // K
         B = 32768 // T
-        q, k, v, w, beta, _, do = make_inputs(B, T, HQ, H, K, K, False, seed=T + K)
-        o, lse, dq, dk, dv, dw, dbeta, _ = make_outputs(q, k, v, w, beta, None)
+        q, k, v, w, beta, g, do = make_inputs(B, T, HQ, H, K, K, gate, seed=T + K)
+        o, lse, dq, dk, dv, dw, dbeta, dg = make_outputs(q, k, v, w, beta, g)
 
         def f():
-            ours_fwd(q, k, v, w, beta, None, o, lse)
+            ours_fwd(q, k, v, w, beta, g, o, lse)
 
         def fb():
             f()
-            ours_bwd(q, k, v, w, beta, None, o, lse, do, dq, dk, dv, dw, dbeta, None)
+            ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
 
         set_workspace_limit(-1)
         try:
             for _ in range(3):
                 fb()
             for what, fn, bwd in (("forward", f, False), ("forward+backward", fb, True)):
-                rows = kernel_flops.table(f"K = V = {K}, HQ = H = {H}, T = {T}, B = {B}: {what}",
-                                          kernel_flops.profile_call(fn),
-                                          kernel_flops.kernel_flops(B, T, H, HQ, K, K, backward=bwd),
+                rows = kernel_flops.table(f"K = V = {K}, HQ = H = {H}, T = {T}, B = {B}{', gate' if gate else ''}: "
+                                          f"{what}", kernel_flops.profile_call(fn),
+                                          kernel_flops.kernel_flops(B, T, H, HQ, K, K, gate=gate, backward=bwd),
                                           kernel_flops.attention_flops(B, T, HQ, K, backward=bwd))
                 lines.extend(rows)
                 print("\n".join(rows), flush=True)
         finally:
             set_workspace_limit(0)
-        del q, k, v, w, beta, do, o, lse, dq, dk, dv, dw, dbeta
+        del q, k, v, w, beta, g, do, o, lse, dq, dk, dv, dw, dbeta, dg
         torch.cuda.empty_cache()
 
 
