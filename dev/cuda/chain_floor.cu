@@ -33,8 +33,8 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/hopper.cuh"
+#include "cuda/device/common.cuh"
+#include "cuda/device/hopper.cuh"
 #include "tf32_nt.cuh"  // CK
 
 using namespace pathattn::cuda;

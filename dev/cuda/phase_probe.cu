@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 #include "tf32_nt.cuh"
 

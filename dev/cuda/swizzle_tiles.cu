@@ -28,7 +28,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "tf32_nt.cuh"
 
 using namespace pathattn::cuda;

@@ -1,6 +1,6 @@
 // pathattn/attention.h: the PaTH / PaTH-FoX attention op (forward and backward) and its params structs.
 // One params struct per direction feeds every backend (oracle, cpu, cuda): fill it once, set `backend`,
-// call path_attn_fwd / path_attn_bwd. Semantics are exactly those of SPEC.md; this header restates them.
+// call path_attn_fwd / path_attn_bwd. Semantics are exactly those of docs/spec.md; this header restates them.
 #pragma once
 
 #include <cmath>
@@ -67,7 +67,7 @@ struct PathFwdParams {
   // runs the call in slices of kv heads (then of batch rows), each with its own workspace; results are those
   // of one call. 0 = default, the larger of kDefaultWorkspaceFloor (512 MiB) and the bytes of q, k and v;
   // < 0 = no limit (one slice; bench/results/gpu_h200*.md give what slicing costs; a limit whose plan runs two
-  // streams of slices of two or more kv heads can be faster than one slice, dev/cuda/NOTES.md v3.59). A single
+  // streams of slices of two or more kv heads can be faster than one slice, docs/cuda.md). A single
   // (batch row, kv head) slice is never split further, so a call may exceed a limit below that slice's need.
   int64_t workspace_limit = 0;
 };

@@ -1,4 +1,4 @@
-// pathattn/decode.h: inference with PaTH attention (SPEC.md section 6): prefill a prompt into a cache of
+// pathattn/decode.h: inference with PaTH attention (docs/spec.md): prefill a prompt into a cache of
 // keys transported to the prompt's end, then decode one token at a time with the in-place rank-one update.
 #pragma once
 

@@ -9,7 +9,7 @@
 
 namespace pathattn {
 
-// Element types. Float tensors of the op use f32/bf16/f16 as SPEC.md section 2 says; the CPU backends
+// Element types. Float tensors of the op use f32/bf16/f16 as docs/spec.md says; the CPU backends
 // additionally accept f64 everywhere (all float tensors f64 together), which is how the fp64 oracle chain
 // is tested. Integer types appear only in cu_seqlens (i32 or i64) and the decode cache lengths (i64).
 enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3, i32 = 4, i64 = 5 };
@@ -18,7 +18,7 @@ enum class Device : int { cpu = 0, cuda = 1 };
 
 // Which implementation runs the op.
 //   automatic: cuda for CUDA tensors, cpu for host tensors.
-//   oracle:    fp64 brute force from the definition (SPEC.md section 1); O(T^2 K) time, O(K) extra memory
+//   oracle:    fp64 brute force from the definition (docs/spec.md); O(T^2 K) time, O(K) extra memory
 //              per query; host tensors only. Computes in fp64 whatever the input dtypes.
 //   cpu:       the fast blockwise (UT transform) path; computes in fp64 when the inputs are f64, in fp32
 //              otherwise (bf16/f16 converted on load, fp32 accumulation).
@@ -60,7 +60,7 @@ class Status {
   enum class Code : int {
     ok = 0,
     invalid_argument = 1,  // a shape, dtype, stride, value or combination the contract rejects
-    unsupported = 2,       // legal per SPEC.md but not built into this backend (e.g. a head dim on CUDA)
+    unsupported = 2,       // legal per docs/spec.md but not built into this backend (e.g. a head dim on CUDA)
     unavailable = 3,       // the backend is not compiled in (e.g. cuda in a CPU-only build)
     internal = 4,          // a bug in pathattn or a failed allocation / CUDA call
   };

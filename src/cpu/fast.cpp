@@ -1,6 +1,6 @@
 // cpu/fast.cpp: the blockwise CPU fast path of PaTH / PaTH-FoX / plain causal attention, forward and
 // backward, templated on the compute type (double for the oracle chain, float in production). Chunk-level
-// UT transform + dense K x K transport of query tiles (ALGORITHMS.md sections 2 and 4); all block products go
+// UT transform + dense K x K transport of query tiles (docs/algorithms.md); all block products go
 // through BLAS. Memory is linear in T: per (sequence, kv head) chunk factors, plus per-thread scratch of at
 // most one sequence's transported query tiles in the backward. Math and data flow: docs/design.md.
 #include <algorithm>
@@ -189,7 +189,7 @@ struct KvState {
 };
 
 // The forward scans keys beyond the query's own superblock of kSuperblock tokens one superblock at a time:
-// keys pre-moved to their superblock's end, one dense K x K transport per superblock (ALGORITHMS.md
+// keys pre-moved to their superblock's end, one dense K x K transport per superblock (docs/algorithms.md
 // section 4, two-level transport) and one wide block product (C x 512) per superblock instead of eight
 // C x 64 ones. Within the query's superblock the chunk-level scan runs as before. The backward keeps the
 // chunk-level scheme throughout.

@@ -1,4 +1,4 @@
-// cuda/bwd_q.cu: the query-side backward pass. Per (query chunk qc, query head), two-level as the forward:
+// cuda/kernels/bwd_q.cu: the query-side backward pass. Per (query chunk qc, query head), two-level as the forward:
 //   pass 1 (right to left) recomputes qt_kc, the queries moved to the end of key chunk kc, for the chunks of
 //          the query's own superblock, then qhat (queries at their superblock's start, written for the key
 //          side) and qt_sb at the end of every earlier superblock sb (dense PS steps); all parked (fp16) in
@@ -26,7 +26,7 @@
 // 106 KB of shared memory at K = V = 128, two CTAs per SM. At K = V = 64 two more tiles (55 -> 73 KB, still three
 // CTAs per SM) let the own superblock's pass 2 load each step's query snapshot during the step before and its keys,
 // values, W and W2 under its outer product (BwdQSmem::pf).
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 
 namespace pathattn::cuda {
@@ -285,7 +285,7 @@ struct BwdQ {
       warp_mma_ss<T, 1, V / 8, true, true>(dv, Ps, LP, 16 * warp, dOs, LV, 0, kChunk);
       // Added by 16-byte reductions (no load whose latency the item would wait for; a lane pair's four columns of
       // one row an operation). bwd_q's last launch at K = 128, T = 4k (one slice): 2.69 ms with 8-byte ones, 2.51
-      // with these, 2.48 with plain stores in their place (dev/cuda/NOTES.md v3.42).
+      // with these, 2.48 with plain stores in their place (docs/cuda.md).
       if (dv_on_far) {
 #pragma unroll
         for (int nt = 0; nt < V / 8; ++nt)
