@@ -122,8 +122,8 @@ if [ "$PROBE" = 1 ]; then
   echo "== chunk-kernel phase probe"
   PP=$BUILD/phase_probe
   if [ ! -x "$PP" ] && command -v nvcc > /dev/null; then
-    nvcc -std=c++17 -O3 -arch=sm_90a -Isrc -DPATHATTN_PHASE_PROBE dev/cuda/phase_probe.cu src/cuda/prep.cu \
-      src/cuda/bwd_chunk.cu -o "$OUTDIR/phase_probe" && PP=$OUTDIR/phase_probe
+    nvcc -std=c++17 -O3 -arch=sm_90a -Isrc -DPATHATTN_PHASE_PROBE dev/cuda/phase_probe.cu src/cuda/kernels/prep_chunk.cu \
+      src/cuda/kernels/bwd_chunk.cu -o "$OUTDIR/phase_probe" && PP=$OUTDIR/phase_probe
   fi
   if [ -x "$PP" ]; then "$PP" | tee "$OUTDIR/phase_probe.txt" || status=1; else echo "phase probe: not built (no nvcc)"; status=1; fi
 fi
