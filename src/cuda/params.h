@@ -114,11 +114,8 @@ struct KernelParams {
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool kfuse;       // bwd_k_far takes the query side's far part too (dq by reductions into dqt, which bwd_q's qhat
                     // launch zeroes; dPS from the key chain) and runs before bwd_q's last launch; no bwd_q_far
-  // The two-size backward (far_glue.cu): far_adj, bwd_k_far on each tile's adjacent superblock alone; far_half,
-  // bwd_k_far on double blocks of 2 far_half chunks whose dv rows of even halves the adjacent launch stored first
-  // (added to; else 0).
-  // With far_half, the chains' buffers for the halves that need no transform: the keys of odd halves start from
-  // far1_ks and leave their gradient in far1_dks, the queries of even halves are far1_qhat and add into far1_dqt.
+  // The removed two-size backward's fields: always zero (false) now; bwd_k_far still reads them. To go with its
+  // branches in a follow-up (a kernel change, to be measured).
   bool far_adj;
   int far_half;
   void* far1_ks;
