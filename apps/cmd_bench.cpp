@@ -18,7 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "harness.h"
+#include "check/harness.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

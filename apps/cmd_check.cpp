@@ -7,7 +7,7 @@
 #include <random>
 
 #include "commands.h"
-#include "oracle_chain.h"
+#include "check/oracle_chain.h"
 
 namespace pathattn::app {
 namespace {

@@ -12,24 +12,33 @@ set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 set(PATHATTN_CUDA_GENCODE "-gencode=arch=compute_90a,code=sm_90a;-gencode=arch=compute_80,code=sm_80"
     CACHE STRING "nvcc -gencode flags of the CUDA backend")
+# Dev builds only: compile-time switches of src/cuda/heuristics.h for A/B runs between builds, e.g.
+# -DPATHATTN_CUDA_DEFINES="-DPATHATTN_CUDA_BWD_OUT_WS=1;-DPATHATTN_CUDA_BWD_SUPER_CHUNKS=8". Empty: the shipped
+# choices. The GPU tests see the same switches.
+set(PATHATTN_CUDA_DEFINES "" CACHE STRING "compile-time switches of the CUDA backend (src/cuda/heuristics.h)")
 
 set(PATHATTN_CUDA_SOURCES
   src/cuda/backend.cu
-  src/cuda/prep.cu
-  src/cuda/fwd.cu
-  src/cuda/fwd_far.cu
-  src/cuda/bwd_q.cu
-  src/cuda/bwd_q_far.cu
-  src/cuda/bwd_k.cu
-  src/cuda/bwd_k_far.cu
-  src/cuda/far_glue.cu
-  src/cuda/bwd_chunk.cu
-  src/cuda/decode.cu
+  src/cuda/kernels/prep_chunk.cu
+  src/cuda/kernels/prep_super.cu
+  src/cuda/kernels/fwd_scan.cu
+  src/cuda/kernels/fwd_far.cu
+  src/cuda/kernels/bwd_delta_dg.cu
+  src/cuda/kernels/bwd_q.cu
+  src/cuda/kernels/bwd_q_far.cu
+  src/cuda/kernels/bwd_k.cu
+  src/cuda/kernels/bwd_k_far.cu
+  src/cuda/kernels/bwd_super.cu
+  src/cuda/kernels/bwd_chunk.cu
+  src/cuda/kernels/decode.cu
+  src/cuda/bwd_run.cu
+  src/cuda/planner.cu
 )
 add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
 set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
 target_include_directories(pathattn_cuda PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
-target_compile_options(pathattn_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3 --expt-relaxed-constexpr>)
+target_compile_options(pathattn_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3 --expt-relaxed-constexpr>
+                       ${PATHATTN_CUDA_DEFINES})
 # The far kernels (fwd_far.cu, bwd_q_far.cu, bwd_k_far.cu) have a body only in an sm_90a device pass; the host
 # side runs them only when one is built (an sm_90 binary without the "a" features would hold empty kernels).
 if(PATHATTN_CUDA_GENCODE MATCHES "code=sm_90a")
@@ -45,7 +54,8 @@ add_library(pathattn_capi SHARED src/cuda/capi.cu src/core/validate.cpp src/core
   $<TARGET_OBJECTS:pathattn_cuda>)
 set_target_properties(pathattn_capi PROPERTIES CUDA_ARCHITECTURES OFF)
 target_include_directories(pathattn_capi PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
-target_compile_options(pathattn_capi PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3>)
+target_compile_options(pathattn_capi PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${PATHATTN_CUDA_GENCODE} -O3>
+                       ${PATHATTN_CUDA_DEFINES})
 target_compile_definitions(pathattn_capi PRIVATE PATHATTN_WITH_CUDA)
 target_link_libraries(pathattn_capi PRIVATE CUDA::cudart_static)
 # A symbol left undefined fails the link here rather than the first dlopen on a GPU machine.

@@ -4,9 +4,12 @@ GPU's speed over the run (clocks, other work on the machine) falls on every buil
 over the rounds of its per-round medians and, per round, its time over the first build's (median, lowest and
 highest of those ratios).
     python3 dev/cuda/ab_interleaved.py --libs a/libpathattn_capi.so b/libpathattn_capi.so --shapes 128:8192 128:4096
-A build may carry environment settings for its calls after an '@' (the library reads its PATHATTN_CUDA_* switches
-at each call), so that one library with and without a switch is an A/B too:
-    --libs a/libpathattn_capi.so a/libpathattn_capi.so@PATHATTN_CUDA_BWD_SUPER_CHUNKS=4
+A tuning switch is an A/B between builds: the library reads no switch at run time, so configure a second build
+directory with the switch (src/cuda/heuristics.h) and pass both libraries:
+    cmake -S . -B build-b -G Ninja -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF -DPATHATTN_BUILD_TESTS=OFF \
+      -DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" -DPATHATTN_CUDA_DEFINES="-DPATHATTN_CUDA_BWD_OUT_WS=1"
+    cmake --build build-b --target pathattn_capi
+    --libs build-cuda/libpathattn_capi.so build-b/libpathattn_capi.so
 """
 import argparse
 import os
@@ -26,14 +29,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--runs", type=int, default=4, help="timed runs of each build a round")
     a = ap.parse_args()
-    libs, envs, names = [], [], []
-    for spec in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
-        path, _, env = spec.partition("@")
+    libs, names = [], []
+    for path in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
         gb.load_lib(path)
         libs.append(gb.LIB)
-        envs.append(dict(kv.split("=", 1) for kv in env.split(",") if kv))
-        names.append((os.path.basename(os.path.dirname(os.path.abspath(path))) or path) + (f"@{env}" if env else ""))
-    switches = {k for e in envs for k in e}
+        names.append(os.path.basename(os.path.dirname(os.path.abspath(path))) or path)
     for shape in a.shapes:
         K, T = (int(x) for x in shape.split(":")[:2])
         gate = shape.endswith(":g")
@@ -45,9 +45,6 @@ def main():
         def case(i):
             def fb():
                 gb.LIB = libs[i]
-                for name in switches:
-                    os.environ.pop(name, None)
-                os.environ.update(envs[i])
                 gb.ours_fwd(q, k, v, w, beta, g, o, lse)
                 gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
             return fb, None

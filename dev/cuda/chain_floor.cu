@@ -4,7 +4,7 @@
 // K x K matrix B (2 * 64 * K^2 flops), the next step's left operand being this one's result, as in the chunk
 // kernels' chains (U = E diag(b) Z, the transports, the UT adjoint), taken four ways:
 //   tf32_cta:  as the chunk kernels do today: a 512-thread CTA a chain, x and B^T in fp32 shared memory, the
-//              product by block_mm_tc (tf32 mma.sync, operands by paired shared loads, src/cuda/common.cuh), the
+//              product by block_mm_tc (tf32 mma.sync, operands by paired shared loads, src/cuda/device/), the
 //              result stored back over x, two CTA barriers a step (the product's, and the one before the next
 //              step reads x).
 //   f16_warp:  x in registers, four warps a chain (16 rows each), B in fp16 shared memory through ldmatrix,
@@ -33,8 +33,8 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/hopper.cuh"
+#include "cuda/device/common.cuh"
+#include "cuda/device/hopper.cuh"
 #include "tf32_nt.cuh"  // CK
 
 using namespace pathattn::cuda;

@@ -4,11 +4,11 @@
 // split by a mask in the loop (split-tf32 products). Transposed operands are written transposed by the
 // epilogue of the product that makes them. Same outputs as the library's chunk_prep (w16, w2h, kt, qtl,
 // aloc); U and k~ are computed in split-tf32 here (plain in the library).
-// Self-checking: the library's chunk_prep (src/cuda/prep.cu, through its launcher) and v3 against an fp64
+// Self-checking: the library's chunk_prep (src/cuda/kernels/prep_chunk.cu, through its launcher) and v3 against an fp64
 // host UT transform on sampled chunks, and v3 against the library on every output. Self-timing: both kernels
 // on a benchmark shape (B * T = 32768 tokens).
 // Build and run from the repository root:
-//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc dev/cuda/chunk_prep_v3.cu src/cuda/prep.cu -o chunk_prep_v3
+//   nvcc -std=c++17 -O3 -arch=sm_90a -Isrc dev/cuda/chunk_prep_v3.cu src/cuda/kernels/prep_chunk.cu -o chunk_prep_v3
 //   ./chunk_prep_v3            # K = 128 (H = 16) and K = 64 (H = 32), T = 1024
 #include <cuda_runtime.h>
 
@@ -19,7 +19,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 #include "tf32_nt.cuh"
 

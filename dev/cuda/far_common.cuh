@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/hopper.cuh"
+#include "cuda/device/hopper.cuh"
 #include "tf32_nt.cuh"  // CK, median_ms
 
 #if defined(__CUDA_ARCH__) && !defined(PA_SM90A)

@@ -25,7 +25,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "tf32_nt.cuh"
 
 using namespace pathattn::cuda;
@@ -175,7 +175,7 @@ void run_case(int blocks, int reps, bool two_per_sm, int dirs, bool beta2) {
 
 int main(int argc, char** argv) {
   const int blocks = argc > 1 ? std::atoi(argv[1]) : 8192, reps = argc > 2 ? std::atoi(argv[2]) : 8;
-  std::printf("triangular inverse: %d CTAs x %d threads, %d inverses each (v2 = src/cuda/common.cuh)\n", blocks,
+  std::printf("triangular inverse: %d CTAs x %d threads, %d inverses each (v2 = src/cuda/device/)\n", blocks,
               kTcThreads, reps);
   for (const bool two : {true, false}) {
     run_case(blocks, reps, two, 64, false);

@@ -5,8 +5,8 @@
 # The limits run in palindromic order (as listed, then reversed), so that a drift of the GPU's clock shows as a
 # difference between the two runs of one limit.
 #   dev/cuda/limit_sweep.sh build-cuda/libpathattn_capi.so [LIMIT_MIB ...]     (default: 384 512 768 -1; -1: none)
-# SHAPES (K:T pairs, default "128:4096 128:8192 64:4096") picks the shapes; ENV="NAME=VALUE ..." sets environment
-# switches for every run (e.g. ENV="PATHATTN_CUDA_SUPER_MSV=0").
+# SHAPES (K:T pairs, default "128:4096 128:8192 64:4096") picks the shapes. A tuning switch is a second build
+# (-DPATHATTN_CUDA_DEFINES="-DPATHATTN_CUDA_SUPER_MSV=0", src/cuda/heuristics.h) swept with its own LIB.
 set -euo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: $0 LIB [LIMIT_MIB ...]" >&2
@@ -23,7 +23,7 @@ for kt in ${SHAPES:-128:4096 128:8192 64:4096}; do
   k=${kt%:*} t=${kt#*:}
   for lim in "${order[@]}"; do
     # shellcheck disable=SC2086
-    out=$(env ${ENV:-} python3 "$here/shape.py" --lib "$lib" --K "$k" --T "$t" --check-rows 16 --ws-limit-mib "$lim" \
+    out=$(python3 "$here/shape.py" --lib "$lib" --K "$k" --T "$t" --check-rows 16 --ws-limit-mib "$lim" \
       2>&1 || true)
     printf "K %-3s T %-5s limit %-5s %s | %s | %s\n" "$k" "$t" "$lim" \
       "$(grep -E '^fwd ' <<<"$out" || echo "no timing (failed: rerun shape.py alone)")" \

@@ -1,11 +1,11 @@
 // dev/cuda/phase_probe.cu: where a CTA of the chunk kernels spends its cycles. The library's chunk_prep and
 // bwd_chunk, built with -DPATHATTN_PHASE_PROBE, stamp clock64() after each barrier-closed phase
-// (PA_PROBE in src/cuda/common.cuh); this program runs them through their launchers on a benchmark shape
+// (PA_PROBE in src/cuda/device/); this program runs them through their launchers on a benchmark shape
 // (docs/benchmarks.md; B * T = 32768, T = 1024, MHA, bf16; random inputs and gradients) and prints, per phase, the mean cycles
 // over the first kProbeCtas CTAs and the share of a CTA's time, beside the kernel's median time.
 // Build and run from the repository root:
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -Isrc -DPATHATTN_PHASE_PROBE \
-//        dev/cuda/phase_probe.cu src/cuda/prep.cu src/cuda/bwd_chunk.cu -o phase_probe && ./phase_probe
+//        dev/cuda/phase_probe.cu src/cuda/kernels/prep_chunk.cu src/cuda/kernels/bwd_chunk.cu -o phase_probe && ./phase_probe
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 #include "tf32_nt.cuh"
 

@@ -1,6 +1,6 @@
 // dev/cuda/swizzle_tiles.cu: what do the chunk kernels' shared-memory bank conflicts cost, and does a swizzled
 // fp32 tile layout remove them? Self-checking, self-timing playground for HISTORY.md v3.21 ("Next").
-// The chunk kernels keep fp32 tiles [rows][cols] padded to cols + 4 words. mma_tc_acc (src/cuda/common.cuh)
+// The chunk kernels keep fp32 tiles [rows][cols] padded to cols + 4 words. mma_tc_acc (src/cuda/device/)
 // reads an A operand at (row g, col t) and a B operand at (row k = t, col n = g) of its tile: with a pitch of
 // 4 mod 32 words the first pattern is conflict-free and the second 2-way (lanes t and t + 1 overlap by four
 // banks); a pitch of 8 mod 32 turns that around. A tile that serves in both roles (W, R1 in chunk_prep; Wf,
@@ -28,7 +28,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "tf32_nt.cuh"
 
 using namespace pathattn::cuda;

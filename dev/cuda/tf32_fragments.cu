@@ -2,7 +2,7 @@
 // self-timing playground for the v3 plan (HISTORY.md, "Profile of v2.1"): the 64 x N x KD tf32 products of the
 // chunk kernels with one operand stored [row][k] and the other [col][k] in shared memory (A = W W^T,
 // Z = W K^T, X = Q W^T), computed
-//   v0: with the library's accessor-fed fragments (mma_tc_acc from src/cuda/common.cuh, as the kernels do);
+//   v0: with the library's accessor-fed fragments (mma_tc_acc from src/cuda/device/, as the kernels do);
 //   v1: with ldmatrix-fed fragments: an 8 x 4 tile of 32-bit words is one ldmatrix 8 x 8 b16 matrix, and the
 //       m16n8k8 tf32 A fragment (rows g / g + 8, columns t / t + 4) is four of them (one ldmatrix.x4); the B
 //       fragment of two k-steps is one more. Same tiling, same conversions (to_tf32), same mma order.
@@ -25,7 +25,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "tf32_nt.cuh"
 
 using namespace pathattn::cuda;

@@ -18,8 +18,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/kernel_params.h"
+#include "cuda/device/common.cuh"
+#include "cuda/params.h"
 
 #define CK(x)                                                                        \
   do {                                                                               \

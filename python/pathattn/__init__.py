@@ -1,6 +1,6 @@
 """pathattn: PaTH attention (Householder-transport position encoding) for numpy and PyTorch.
 
-The op (SPEC.md section 1), in flash-linear-attention's layout and conventions::
+The op (docs/spec.md), in flash-linear-attention's layout and conventions::
 
     o, k_cache = pathattn.parallel_path_attn(q, k, v, w, beta, g=None, scale=None,
                                              cu_seqlens=None, use_cache=False)
@@ -51,8 +51,9 @@ __all__ = [
 
 HAS_TORCH = False
 if _os.environ.get("PATHATTN_NO_TORCH", "0") != "1" and _ilu.find_spec("torch") is not None:
-    from . import _torch_ops  # noqa: F401  (registers torch.ops.pathattn.*)
+    from . import _api as _api_module
 
+    _api_module.enable_torch()  # registers torch.ops.pathattn.*
     HAS_TORCH = True
 
 

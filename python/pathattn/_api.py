@@ -1,7 +1,7 @@
 """pathattn._api: the public op functions: argument checks, output allocation and dispatch.
 
 numpy arrays go straight to the extension (pathattn._pathattn); torch tensors go through the registered
-custom ops (pathattn._torch_ops) so that autograd and torch.compile see one opaque op.
+custom ops (pathattn._torch_ops, bound by enable_torch) so that autograd and torch.compile see one opaque op.
 """
 import collections
 import math
@@ -10,6 +10,7 @@ import numbers
 import numpy as np
 
 from . import _pathattn as _C
+from ._cache import prefill_k_cache
 
 # Backend names accepted by every `backend=` argument, and the codes of pathattn::Backend.
 BACKENDS = {"auto": 0, "automatic": 0, "oracle": 1, "cpu": 2, "cuda": 3}
@@ -21,14 +22,24 @@ in the dtype of q; dw [B,T,H,K], dbeta [B,T,H] (None when w, beta are None) and 
 is None) in the dtype of w / beta / g."""
 
 
-class _NoTorch:  # stands in for torch.Tensor until pathattn._torch_ops registers the real class
+class _NoTorch:  # stands in for torch.Tensor until enable_torch binds the torch side
     pass
 
 
-# Set by pathattn._torch_ops when torch is available (module globals, so torch.compile traces through).
+# The torch side, bound by enable_torch (module globals, so torch.compile traces through the dispatch).
 TorchTensor = _NoTorch
-torch_forward = None
-torch_backward = None
+_torch_ops = None
+
+
+def enable_torch():
+    """Imports torch and pathattn._torch_ops (registering torch.ops.pathattn.*); torch tensors are accepted
+    from then on."""
+    global TorchTensor, _torch_ops
+    if _torch_ops is None:
+        from . import _torch_ops as ops
+
+        TorchTensor = ops.Tensor
+        _torch_ops = ops
 
 
 def backend_code(backend):
@@ -152,8 +163,8 @@ def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, us
     deterministic = bool_arg("deterministic", deterministic)
     return_lse = bool_arg("return_lse", return_lse)
     if kind == "torch":
-        return torch_forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic,
-                             return_lse, code)
+        return _torch_ops.forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic,
+                                  return_lse, code)
     cu = numpy_cu_seqlens(cu_seqlens)
     for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g)):
         if x is not None:
@@ -166,11 +177,10 @@ def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, us
     gs = NAN if gate_scale is None else gate_scale
     k_cache = None
     if use_cache:
-        from .decode import prefill_k_cache
-
         k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, s, gs, code, 0)
     else:
-        _C.fwd(q, k, v, w, beta, g, cu, o, lse, s, gs, code, 0, 0, False, 0)
+        _C.fwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, o=o, lse=lse, scale=s, gate_scale=gs, backend=code,
+               num_threads=0, chunk_size=0, validate=False, stream=0)
     return (o, k_cache, lse) if return_lse else (o, k_cache)
 
 
@@ -200,8 +210,8 @@ def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_
     check_same_kind(kind, "do", do, optional=False)
     deterministic = bool_arg("deterministic", deterministic)
     if kind == "torch":
-        return PathGrads(*torch_backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale,
-                                         deterministic, code))
+        return PathGrads(*_torch_ops.backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale,
+                                              deterministic, code))
     cu = numpy_cu_seqlens(cu_seqlens)
     for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g), ("o", o),
                     ("lse", lse), ("do", do)):
@@ -213,9 +223,10 @@ def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_
     dw = np.empty(w.shape, dtype=w.dtype) if w is not None else None
     dbeta = np.empty(beta.shape, dtype=beta.dtype) if beta is not None else None
     dg = np.empty(g.shape, dtype=g.dtype) if g is not None else None
-    _C.bwd(q, k, v, w, beta, g, cu, o, lse, do, dq, dk, dv, dw, dbeta, dg,
-           NAN if scale is None else scale, NAN if gate_scale is None else gate_scale,
-           code, 0, 0, deterministic, False, 0)
+    _C.bwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, dw=dw,
+           dbeta=dbeta, dg=dg, scale=NAN if scale is None else scale,
+           gate_scale=NAN if gate_scale is None else gate_scale, backend=code, num_threads=0, chunk_size=0,
+           deterministic=deterministic, validate=False, stream=0)
     return PathGrads(dq, dk, dv, dw, dbeta, dg)
 
 
@@ -267,7 +278,7 @@ def set_workspace_limit(nbytes):
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
         raise TypeError(f"nbytes: expected an int (bytes; 0 = default, < 0 = no limit), got {type(nbytes).__name__}")
-    _C.set_workspace_limit(int(nbytes))
+    _C.set_workspace_limit(nbytes=int(nbytes))
 
 
 def workspace_limit():

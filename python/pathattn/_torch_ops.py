@@ -1,4 +1,4 @@
-"""pathattn._torch_ops: the torch custom ops and the torch side of parallel_path_attn.
+"""pathattn._torch_ops: the torch custom ops and the torch side of parallel_path_attn (pathattn._api binds it).
 
     torch.ops.pathattn.path_attn_fwd(q, k, v, w?, beta?, g?, cu_seqlens?, scale, gate_scale, use_cache,
                                      backend, deterministic) -> (o, lse, k_cache)
@@ -16,9 +16,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _api
 from . import _pathattn as _C
-from .decode import prefill_k_cache
+from ._cache import prefill_k_cache
 
 
 def _float_dtype(q):
@@ -67,7 +66,8 @@ def path_attn_fwd(q: Tensor, k: Tensor, v: Tensor, w: Optional[Tensor], beta: Op
         if use_cache:
             k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, backend, _stream(q))
         else:
-            _C.fwd(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, backend, 0, 0, False, _stream(q))
+            _C.fwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, o=o, lse=lse, scale=scale, gate_scale=gate_scale,
+                   backend=backend, num_threads=0, chunk_size=0, validate=False, stream=_stream(q))
             k_cache = _empty0(k, k.dtype)
     return o, lse, k_cache
 
@@ -97,8 +97,9 @@ def path_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Optional[Tenso
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=q.device) if beta is not None else None
     dg = torch.empty(g.shape, dtype=g.dtype, device=q.device) if g is not None else None
     with _device_guard(q):
-        _C.bwd(q, k, v, w, beta, g, _host(cu_seqlens), o, lse, do, dq, dk, dv, dw, dbeta, dg, scale,
-               gate_scale, backend, 0, 0, deterministic, False, _stream(q))
+        _C.bwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=_host(cu_seqlens), o=o, lse=lse, do=do, dq=dq, dk=dk,
+               dv=dv, dw=dw, dbeta=dbeta, dg=dg, scale=scale, gate_scale=gate_scale, backend=backend, num_threads=0,
+               chunk_size=0, deterministic=deterministic, validate=False, stream=_stream(q))
     return (dq, dk, dv, dw if dw is not None else _empty0(q, fdt), dbeta if dbeta is not None else _empty0(q, fdt),
             dg if dg is not None else _empty0(q, fdt))
 
@@ -180,7 +181,3 @@ def backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale, det
     return (dq, dk, dv, dw if w is not None else None, dbeta if beta is not None else None,
             dg if g is not None else None)
 
-
-_api.TorchTensor = Tensor
-_api.torch_forward = forward
-_api.torch_backward = backward

@@ -1,4 +1,4 @@
-"""pathattn.nn: the PaTH attention layer for PyTorch (SPEC.md section 4), a drop-in for
+"""pathattn.nn: the PaTH attention layer for PyTorch (docs/spec.md), a drop-in for
 flash-linear-attention's ``fla.layers.PaTHAttention``: same constructor arguments, same submodule and
 parameter names and shapes (an fla state_dict loads with strict=True), same forward signature and return
 value. Training, prefill and decode all apply the same w convolution, L2 normalisation and (optional)
@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _torch_ops  # noqa: F401  (the custom ops, even when PATHATTN_NO_TORCH skipped them at import)
 from . import decode as _decode
-from ._api import parallel_path_attn
+from ._api import enable_torch, parallel_path_attn
+
+enable_torch()  # the custom ops, also where PATHATTN_NO_TORCH skipped them at import
 
 
 def _acc(x):

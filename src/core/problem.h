@@ -1,5 +1,5 @@
 // core/problem.h: the validated, backend-neutral description of one call. Every entry point validates its
-// params into a Problem before any backend touches memory (SPEC.md section 5); backends read only this.
+// params into a Problem before any backend touches memory (docs/spec.md); backends read only this.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// core/validate.cpp: argument validation for every entry point (SPEC.md section 5). Each failure returns
+// core/validate.cpp: argument validation for every entry point (docs/spec.md). Each failure returns
 // invalid_argument (or unsupported / unavailable) with a message naming the argument and what was expected.
 #include <cmath>
 #include <sstream>

@@ -1,9 +1,10 @@
 // cpu/cpu_backend.h: entry points of the CPU backends, called by the dispatcher after validation.
-//   oracle_*: fp64 brute force from the definition (ALGORITHMS.md section 1).
-//   fast_*:   blockwise UT-transform path (ALGORITHMS.md sections 2 and 4), fp64 or fp32.
+//   oracle_*: fp64 brute force from the definition (docs/algorithms.md).
+//   fast_*:   blockwise UT-transform path (docs/algorithms.md), fp64 or fp32.
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include "core/problem.h"
 
@@ -14,6 +15,12 @@ Status oracle_bwd(const PathBwdParams& p, const core::Problem& pr);
 
 Status fast_fwd(const PathFwdParams& p, const core::Problem& pr);
 Status fast_bwd(const PathBwdParams& p, const core::Problem& pr);
+
+// Prefill and decode on a host cache (decode.cpp), called by the entries in api/decode.cpp after their
+// validation. prefill: fills cache slot n from seqs[n] (the forward has run); decode: lengths[n] is slot n's
+// length before the step. The caller sets the lengths.
+Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs);
+Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
 
 // Default chunk size of the fast path for a head dim (the value chunk_size = 0 selects).
 int default_chunk_size(int64_t K);

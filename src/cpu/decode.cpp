@@ -1,5 +1,5 @@
-// cpu/decode.cpp: prefill and single-token decode with a cache of transported keys (SPEC.md section 6,
-// ALGORITHMS.md section 5). Host code shared by Backend::oracle and Backend::cpu (decode is the same math);
+// cpu/decode.cpp: prefill and single-token decode with a cache of transported keys (docs/spec.md,
+// docs/algorithms.md). Host code shared by Backend::oracle and Backend::cpu (decode is the same math);
 // fp64 throughout for f64 inputs, fp32 storage and accumulation otherwise.
 #include <algorithm>
 #include <cmath>
@@ -10,18 +10,12 @@
 #include "core/convert.h"
 #include "core/problem.h"
 #include "cpu/cpu_backend.h"
-#ifdef PATHATTN_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
-namespace pathattn {
-namespace cpu {
+namespace pathattn::cpu {
 namespace {
 
 using core::Problem;
 using core::Seq;
-
-Status bad(const std::string& m) { return Status(Status::Code::invalid_argument, m); }
 
 #if defined(__GNUC__)
 #define PA_INLINE inline __attribute__((always_inline))
@@ -65,23 +59,6 @@ PA_INLINE void axpy(T* __restrict y, T alpha, const T* __restrict x, int64_t n) 
 template <typename T>
 inline T* cache_row(const TensorView& x, int64_t n, int64_t h, int64_t j) {
   return static_cast<T*>(x.data) + n * x.stride[0] + h * x.stride[1] + j * x.stride[2];
-}
-
-// Every sequence of a validated forward, empty ones included, in cache-slot order: slot n is batch row n,
-// or varlen sequence n.
-std::vector<Seq> all_seqs(const PathFwdParams& p, const Problem& pr) {
-  std::vector<Seq> out;
-  if (p.cu_seqlens.present()) {
-    const TensorView& cu = p.cu_seqlens;
-    for (int64_t n = 0; n < pr.num_seqs; ++n) {
-      const int64_t a = core::load_elem<int64_t>(cu.data, cu.dtype, n * cu.stride[0]);
-      const int64_t b = core::load_elem<int64_t>(cu.data, cu.dtype, (n + 1) * cu.stride[0]);
-      out.push_back({0, a, b - a});
-    }
-  } else {
-    for (int64_t b = 0; b < pr.B; ++b) out.push_back({b, 0, pr.T});
-  }
-  return out;
 }
 
 // One step of the prefill walk over a K x K row-major suffix product M (fp64): for every row r,
@@ -320,84 +297,24 @@ void decode_unit(const PathDecodeParams& p, const Problem& pr, int64_t n, int64_
 }
 
 }  // namespace
-}  // namespace cpu
 
-// Prefill: validate the forward and the cache, run the forward on its backend, then build the cache, one
-// work unit per (sequence, kv head): on the host, or on the device for the cuda backend (cuda/decode.cu).
-Status path_attn_prefill(const PathPrefillParams& p) {
-  core::Problem pr;
-  PA_TRY(core::check_fwd(p.fwd, &pr));
-  PA_TRY(core::check_cache(p.cache, pr, pr.num_seqs, /*need_room=*/false));
-  const std::vector<core::Seq> seqs = cpu::all_seqs(p.fwd, pr);
-  const int64_t cap = p.cache.kc.shape[2];
-  for (size_t n = 0; n < seqs.size(); ++n) {
-    if (seqs[n].len > cap) {
-      return cpu::bad("cache.kc: capacity C = " + std::to_string(cap) + " (kc.shape[2]) is smaller than sequence " +
-                      std::to_string(n) + "'s length " + std::to_string(seqs[n].len));
-    }
-  }
-  if (pr.backend == Backend::cuda) {
-#ifdef PATHATTN_WITH_CUDA
-    PA_TRY(cuda::prefill(p, pr, seqs));  // the forward and the device cache; lengths are set below
-#else
-    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
-#endif
-  } else {
-    PA_TRY(path_attn_fwd(p.fwd));
-    const int64_t nunits = int64_t(seqs.size()) * pr.H;
-    cpu::parallel_for(nunits, p.fwd.num_threads, [&](int64_t u) {
-      const int64_t n = u / pr.H, h = u % pr.H;
-      if (pr.f64) cpu::prefill_unit<double>(p, pr, seqs[n], n, h);
-      else cpu::prefill_unit<float>(p, pr, seqs[n], n, h);
-    });
-  }
-  int64_t* len = static_cast<int64_t*>(p.cache.lengths.data);
-  for (size_t n = 0; n < seqs.size(); ++n) len[int64_t(n) * p.cache.lengths.stride[0]] = seqs[n].len;
+Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs) {
+  const int64_t nunits = int64_t(seqs.size()) * pr.H;
+  parallel_for(nunits, p.fwd.num_threads, [&](int64_t u) {
+    const int64_t n = u / pr.H, h = u % pr.H;
+    if (pr.f64) prefill_unit<double>(p, pr, seqs[n], n, h);
+    else prefill_unit<float>(p, pr, seqs[n], n, h);
+  });
   return Status::Ok();
 }
 
-// Decode: the step's inputs are a forward problem with B = N and T = 1, so check_fwd validates them all;
-// then the cache, with room for one more token in every slot.
-Status path_attn_decode(const PathDecodeParams& p) {
-  PathFwdParams f;
-  f.q = p.q;
-  f.k = p.k;
-  f.v = p.v;
-  f.w = p.w;
-  f.beta = p.beta;
-  f.g = p.g;
-  f.scale = p.scale;
-  f.gate_scale = p.gate_scale;
-  f.o = p.o;
-  f.lse = p.lse;
-  f.backend = p.backend;
-  f.num_threads = p.num_threads;
-  f.stream = p.stream;
-  core::Problem pr;
-  PA_TRY(core::check_fwd(f, &pr));
-  if (pr.T != 1) {
-    return cpu::bad("q: expected shape [N, 1, HQ, K] (one token per sequence), got " + core::shape_str(p.q));
-  }
-  PA_TRY(core::check_cache(p.cache, pr, pr.B, /*need_room=*/true));
-  const int64_t N = pr.B;
-  std::vector<int64_t> len(N);  // read once: every kv head of a slot sees the length before this step
-  int64_t* lp = static_cast<int64_t*>(p.cache.lengths.data);
-  for (int64_t n = 0; n < N; ++n) len[n] = lp[n * p.cache.lengths.stride[0]];
-  if (pr.backend == Backend::cuda) {
-#ifdef PATHATTN_WITH_CUDA
-    PA_TRY(cuda::decode(p, pr, len));  // lengths stay in host memory: updated below
-#else
-    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
-#endif
-  } else {
-    cpu::parallel_for(N * pr.H, p.num_threads, [&](int64_t u) {
-      const int64_t n = u / pr.H, h = u % pr.H;
-      if (pr.f64) cpu::decode_unit<double>(p, pr, n, h, len[n]);
-      else cpu::decode_unit<float>(p, pr, n, h, len[n]);
-    });
-  }
-  for (int64_t n = 0; n < N; ++n) lp[n * p.cache.lengths.stride[0]] = len[n] + 1;
+Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths) {
+  parallel_for(pr.B * pr.H, p.num_threads, [&](int64_t u) {
+    const int64_t n = u / pr.H, h = u % pr.H;
+    if (pr.f64) decode_unit<double>(p, pr, n, h, lengths[n]);
+    else decode_unit<float>(p, pr, n, h, lengths[n]);
+  });
   return Status::Ok();
 }
 
-}  // namespace pathattn
+}  // namespace pathattn::cpu

@@ -1,6 +1,6 @@
 // cpu/fast.cpp: the blockwise CPU fast path of PaTH / PaTH-FoX / plain causal attention, forward and
 // backward, templated on the compute type (double for the oracle chain, float in production). Chunk-level
-// UT transform + dense K x K transport of query tiles (ALGORITHMS.md sections 2 and 4); all block products go
+// UT transform + dense K x K transport of query tiles (docs/algorithms.md); all block products go
 // through BLAS. Memory is linear in T: per (sequence, kv head) chunk factors, plus per-thread scratch of at
 // most one sequence's transported query tiles in the backward. Math and data flow: docs/design.md.
 #include <algorithm>
@@ -25,7 +25,6 @@ namespace {
 using core::Problem;
 using core::Seq;
 
-// ------------------------------------------------------------------------------------------------
 // Small helpers.
 
 // exp for float, branch-free so loops over it vectorise: Cody-Waite range reduction x = n ln2 + r,
@@ -169,7 +168,6 @@ void unit_lower_inverse(T* E, int64_t n, int64_t ld, T* tmp) {
   }
 }
 
-// ------------------------------------------------------------------------------------------------
 // Per (sequence, kv head) state: raw inputs in the compute type, and the chunk factors of the UT transform.
 // For chunk c with rows R = [c C, c C + cl):
 //   E_c  = (I + strict_lower(diag(b) W W^T))^{-1}         [cl x cl], stored [C x C]
@@ -188,11 +186,9 @@ struct KvState {
                                       // grows with t; see add_gate) (empty: no gate)
 };
 
-// The forward scans keys beyond the query's own superblock of kSuperblock tokens one superblock at a time:
-// keys pre-moved to their superblock's end, one dense K x K transport per superblock (ALGORITHMS.md
-// section 4, two-level transport) and one wide block product (C x 512) per superblock instead of eight
-// C x 64 ones. Within the query's superblock the chunk-level scan runs as before. The backward keeps the
-// chunk-level scheme throughout.
+// The forward crosses keys beyond the query's own superblock one superblock at a time (keys moved to their
+// superblock's end, one K x K transport and one C x 512 block product each; docs/algorithms.md, two-level
+// transport); within it, and in the whole backward, the chunk-level scan.
 constexpr int64_t kSuperblock = 512;
 
 template <typename T, bool kPath>
@@ -230,7 +226,6 @@ class FastPath {
   const int64_t m_;  // chunks per superblock of the forward's far-key scan
 };
 
-// ------------------------------------------------------------------------------------------------
 // Preparation: load one (sequence, kv head), compute the chunk factors and the gate cumsums.
 template <typename T, bool kPath>
 void FastPath<T, kPath>::prepare(const TensorView& k, const TensorView& v, const TensorView& w,
@@ -327,7 +322,6 @@ void FastPath<T, kPath>::softmax_update(T* S, int64_t n, int64_t m, T* mx, T* l,
   gemm(false, false, n, V_, m, T(1), S, m, vblk, V_, T(1), acc, V_);
 }
 
-// ------------------------------------------------------------------------------------------------
 // Forward of one query chunk qc of query head hq: diagonal chunk by the masked UT form, then key chunks
 // right to left with the query tile transported through each chunk's dense product.
 template <typename T, bool kPath>
@@ -430,7 +424,6 @@ Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
   return Status::Ok();
 }
 
-// ------------------------------------------------------------------------------------------------
 // Backward of one query chunk: recompute the forward's tiles, then gradients. The transported query tiles
 // qt_kc are kept in `snap` (at most L x K per thread) because the adjoint of the transport runs in the
 // opposite order (kc ascending): gbar <- gbar P_kc^T + scale dS_kc kt_kc,  dP_kc += qt_kc^T gbar_{kc-1}.

@@ -1,4 +1,4 @@
-// cpu/oracle.cpp: the fp64 brute-force oracle, forward and backward, straight from SPEC.md section 1.
+// cpu/oracle.cpp: the fp64 brute-force oracle, forward and backward, straight from docs/spec.md.
 // For each query i the transported query a_j = q_i H_i ... H_{j+1} is built one Householder step at a time
 // (a_{j-1} = a_j - beta_j (a_j . w_j) w_j), so every logit is exact up to fp64 rounding. O(T^2 K) time.
 // The backward is reverse-mode through exactly these steps (it keeps the a_j of one query: O(T K) scratch).

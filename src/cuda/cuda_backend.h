@@ -1,4 +1,4 @@
-// cuda/cuda_backend.h: entry points of the CUDA backend, called by the dispatcher (core/api.cpp) after
+// cuda/cuda_backend.h: entry points of the CUDA backend, called by the dispatcher (api/dispatch.cpp) after
 // validation. Supported here: q/k/v in bfloat16 or float16 (fp32 w, beta, g), K and V in {64, 128},
 // causal, GQA, varlen, gate; anything else returns Status::Code::unsupported naming the argument.
 #pragma once
@@ -10,7 +10,7 @@ namespace pathattn::cuda {
 Status fwd(const PathFwdParams& p, const core::Problem& pr);
 Status bwd(const PathBwdParams& p, const core::Problem& pr);
 
-// Prefill and decode on a device cache (decode.cu), called by the entry points in cpu/decode.cpp after
+// Prefill and decode on a device cache (kernels/decode.cu), called by the entries in api/decode.cpp after
 // their validation. Same dtypes and head dims as the forward.
 // prefill: runs the forward, then fills cache slot n from slots[n] (every sequence, empty ones included,
 //   in slot order) for n < slots.size(); the caller sets lengths.

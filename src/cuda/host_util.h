@@ -1,4 +1,4 @@
-// cuda/host_util.h: host-side helpers shared by the CUDA adapters (backend.cu, decode.cu): Status
+// cuda/host_util.h: host-side helpers shared by the CUDA adapters (backend.cu, bwd_run.cu, kernels/decode.cu): Status
 // shorthands, the CUDA error check, a stream-ordered workspace freed on every return path, and the check
 // of the dtypes and head dims the kernels are built for.
 #pragma once

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/kernel_params.h"
+#include "cuda/params.h"
 
 namespace pathattn::cuda {
 
@@ -79,13 +79,6 @@ inline constexpr int kDqtPadRows = 32;
 cudaError_t launch_bwd_k_far(const KernelParams& p, const int32_t* tiles, int ntiles, float2* lsd,
                              const int32_t* park_first, int64_t park_slots, int grid, int* next, int dtype,
                              cudaStream_t s);
-// The two-size backward's glue on sm_90a (far_glue.cu): p the chains' superblocks (sc), p2 the far kernel's double
-// blocks (2 sc, its ps / ks / qhat / dqt / dks / dps); items: the chunk-table index of each double block's first
-// chunk in sequences of more than one. bwd false: PS2, ks2, qhat2 from p's (dqt2, dps2 zeroed), after bwd_q's
-// qhat launch; true: their gradients back into p's dps, dks, dqt, after both far launches. K = V = 128.
-bool far_glue_usable(const KernelParams& p);
-cudaError_t launch_far_glue(bool bwd, const KernelParams& p, const KernelParams& p2, const int32_t* items,
-                            int nitems, int dtype, cudaStream_t s);
 // Key-side pass (dkt, dvk, dgcol); with p.kfar, the far superblocks' part is bwd_k_far's (dks, dvk); `next`: the
 // launch's item counter (zeroed).
 cudaError_t launch_bwd_k(const KernelParams& p, int dtype, int grid, int* next, cudaStream_t s);

@@ -1,7 +1,7 @@
 // engine/model.cpp: forward and backward of the decoder-only transformer (engine/model.h). Each block:
 //   x_mid = x + Wo attn(rmsnorm(x)),  x_out = x_mid + Wproj swiglu(Wfc rmsnorm(x_mid)).
 // The attention of a block is the library's op (path_attn_fwd / path_attn_bwd): PaTH / PaTH-FoX with w and
-// beta from SPEC.md section 4, FoX with the gate only, RoPE / NoPE as plain causal attention. Inference:
+// beta from docs/spec.md, FoX with the gate only, RoPE / NoPE as plain causal attention. Inference:
 // prefill (the forward with path_attn_prefill filling a cache per layer) and decode_step (one token, the
 // attention by path_attn_decode), sharing the per-token block code with the forward.
 #include "engine/model.h"

@@ -63,7 +63,7 @@ class Model {
   // Logits [B, T, vocab] of the last forward.
   const std::vector<T>& logits() const { return logits_; }
 
-  // Incremental inference for one sequence with the attention decode cache (SPEC.md section 6).
+  // Incremental inference for one sequence with the attention decode cache (docs/spec.md).
   // prefill: forward() over the prompt tokens [T] (T >= 1; its activations are kept as forward() keeps them)
   // that also fills one decode cache per layer, with room for `capacity` >= T tokens; returns the logits
   // [vocab] of the prompt's last position. decode_step: one more token through every block (the attention by

@@ -1,4 +1,4 @@
-// engine/repro.h: the paper's synthetic experiments as commands (REPRO.md): flip-flop (Table 1), the A5 word
+// engine/repro.h: the paper's synthetic experiments as commands (docs/reproductions.md): flip-flop (Table 1), the A5 word
 // problem and MQRAR-N (Figure 2). Each trains its models from an embedded default config (configs/*.json),
 // prints a table beside the paper's numbers and writes table.md / results.json into its output directory.
 #pragma once

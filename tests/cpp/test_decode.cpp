@@ -13,7 +13,7 @@
 #include <numeric>
 
 #include "core/convert.h"
-#include "harness.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 namespace {

@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <random>
 
-#include "harness.h"
-#include "oracle_chain.h"
+#include "check/harness.h"
+#include "check/oracle_chain.h"
 
 namespace pathattn::test {
 namespace {

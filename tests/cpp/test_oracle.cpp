@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "harness.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 namespace {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <set>
 
-#include "oracle_chain.h"
+#include "check/oracle_chain.h"
 
 namespace pathattn::test {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "core/problem.h"
 #include "core/slicing.h"
-#include "harness.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 namespace {

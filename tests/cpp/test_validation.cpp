@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "harness.h"
-#include "oracle_chain.h"
+#include "check/harness.h"
+#include "check/oracle_chain.h"
 
 namespace pathattn::test {
 namespace {

@@ -13,8 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda/kspan.h"
-#include "harness.h"
+#include "cuda/device/kspan.h"
+#include "cuda/heuristics.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 namespace {
@@ -372,61 +373,37 @@ TEST(CudaBackend, LongerSequences) {
   check_case(s, false, {}, true);
 }
 
-// The forward's far part runs in fwd_far on sm_90a builds and devices (Hopper); PATHATTN_CUDA_FAR=0 keeps it in
-// fwd_scan, the path of every other device and of strides TMA cannot take. Both against the oracle, past two
-// superblocks, MHA and GQA, gate on and off, an odd number of chunks (the last tile's second chunk absent).
-// Runs `body` with the far kernels off (PATHATTN_CUDA_FAR=0: the scans alone), then on where the device has them.
-template <class F>
-void on_both_far_paths(F body) {
-  for (const char* far : {"0", "1"}) {
-    setenv("PATHATTN_CUDA_FAR", far, 1);
-    body();
-  }
-  unsetenv("PATHATTN_CUDA_FAR");
-}
-
-// The backward both ways and, on Hopper, with the far part as one kernel (the default where the gate is off and
-// the mode is not deterministic: bwd_k_far takes dq and dPS too) and as two (PATHATTN_CUDA_FAR_FUSE=0).
-template <class F>
-void on_the_backward_far_paths(F body) {
-  on_both_far_paths(body);
-  setenv("PATHATTN_CUDA_FAR_FUSE", "0", 1);
-  body();
-  unsetenv("PATHATTN_CUDA_FAR_FUSE");
-}
-
-TEST(CudaBackend, ForwardFarPathAndScanOnly) {
+// The paths a build runs: the far kernels on sm_90a builds and Hopper devices (fwd_far; bwd_k_far fused where the
+// gate is off and the mode is not deterministic, else bwd_q_far and bwd_k_far), the scans alone on every other
+// device, on a compute_80 build (scripts/gpu_suite.sh --sm80) and in a dev build with -DPATHATTN_CUDA_FAR=0, the
+// two unfused far kernels without the gate in a dev build with -DPATHATTN_CUDA_FAR_FUSE=0 (heuristics.h).
+// The forward past two superblocks against the oracle: MHA and GQA, gate on and off, an odd number of chunks (the
+// last far tile's second chunk absent).
+TEST(CudaBackend, ForwardFarPath) {
   REQUIRE_GPU();
-  on_both_far_paths([] {
-    CaseSpec s = mk(1600, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 91);
-    check_case(s, false, {}, true);
-    s = mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 92);
-    check_case(s, false, {}, true);
-    s = mk(2500, 2, 1, 128, 128, true, BetaMode::near2, DType::bf16, 93);
-    s.B = 1;
-    check_case(s, false, {}, true);
-  });
+  CaseSpec s = mk(1600, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 91);
+  check_case(s, false, {}, true);
+  s = mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 92);
+  check_case(s, false, {}, true);
+  s = mk(2500, 2, 1, 128, 128, true, BetaMode::near2, DType::bf16, 93);
+  s.B = 1;
+  check_case(s, false, {}, true);
 }
 
-// The forward on superblocks of 4 and 6 chunks (PATHATTN_CUDA_FWD_SUPER_CHUNKS; the default is 8), both far
-// paths, against the oracle: fwd_far's 128-key tiles two or three a superblock, its crossings and their product
-// loads at every size; an odd chunk count, GQA with the gate, varlen with an empty sequence, beta = 2.
-TEST(CudaBackend, ForwardSuperblockSizes) {
+// The forward on the build's superblock size (8 chunks; 4 or 6 in a dev build with
+// -DPATHATTN_CUDA_FWD_SUPER_CHUNKS) against the oracle: fwd_far's 128-key tiles, its crossings and their product
+// loads; an odd chunk count, GQA with the gate, varlen with an empty sequence, beta = 2.
+TEST(CudaBackend, ForwardSuperblockSize) {
   REQUIRE_GPU();
-  for (const char* sc : {"4", "6"}) {
-    setenv("PATHATTN_CUDA_FWD_SUPER_CHUNKS", sc, 1);
-    on_both_far_paths([] {
-      CaseSpec s = mk(2500, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 141);
-      s.B = 1;
-      check_case(s, false, {}, true);
-      check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 142), false, {}, true);
-      s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 143);
-      s.B = 1;
-      s.seqlens = {0, 1900, 0, 777};
-      check_case(s, false, {}, true);
-    });
-  }
-  unsetenv("PATHATTN_CUDA_FWD_SUPER_CHUNKS");
+  std::printf("[superblock] forward: %d chunks a superblock\n", cuda::fwd_super_chunks());
+  CaseSpec s = mk(2500, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 141);
+  s.B = 1;
+  check_case(s, false, {}, true);
+  check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 142), false, {}, true);
+  s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 143);
+  s.B = 1;
+  s.seqlens = {0, 1900, 0, 777};
+  check_case(s, false, {}, true);
 }
 
 // The backward's far parts (bwd_k_far alone or with bwd_q_far on Hopper, else the scans alone) against the
@@ -437,7 +414,7 @@ TEST(CudaBackend, ForwardSuperblockSizes) {
 // column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
-  on_the_backward_far_paths([] {
+  {
     check_case(mk(1600, 4, 2, 64, 64, false, BetaMode::uniform02, DType::bf16, 94), true, {}, true);
     check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 95), true, {}, true);
     CaseSpec s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 96);
@@ -451,10 +428,6 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s = mk(2500, 2, 2, 64, 64, false, BetaMode::near2, DType::bf16, 97);
     s.B = 1;
     check_case(s, true, {}, true);
-    // The same case on the superblocks of 512 tokens that the backward takes past 4096 tokens (256 here).
-    setenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS", "8", 1);
-    check_case(s, true, {}, true);
-    unsetenv("PATHATTN_CUDA_BWD_SUPER_CHUNKS");
     s.gate = true;
     s.seed = 99;
     check_case(s, true, {}, true);
@@ -462,25 +435,11 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s = mk(2500, 4, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 100);
     s.B = 1;
     check_case(s, true, {}, true);
-  });
-}
-
-// The two-size backward (PATHATTN_CUDA_BWD_TWO_SIZE=1, K = V = 128 without the gate): chains on 256-token
-// superblocks, the fused far kernel on each even superblock's neighbour and on 512-token double blocks, the glue
-// between them. A sequence's last double block whole, half (an odd superblock count) or partial, rows past a
-// sequence's end, GQA, varlen with an empty sequence, fp16 with beta = 2.
-TEST(CudaBackend, BackwardTwoSize) {
-  REQUIRE_GPU();
-  setenv("PATHATTN_CUDA_BWD_TWO_SIZE", "1", 1);
-  CaseSpec s = mk(2500, 4, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 110);
-  s.B = 1;
-  check_case(s, true, {}, true);
-  check_case(mk(1100, 2, 2, 128, 128, false, BetaMode::two, DType::f16, 111), true, {}, true);
-  s = mk(0, 2, 1, 128, 128, false, BetaMode::near2, DType::bf16, 112);
-  s.B = 1;
-  s.seqlens = {0, 700, 1363, 37, 2048};
-  check_case(s, true, {}, true);
-  unsetenv("PATHATTN_CUDA_BWD_TWO_SIZE");
+    // K = 64 past 4096 tokens without the gate: the superblocks of 512 tokens (eight crossed).
+    s = mk(4200, 2, 1, 64, 64, false, BetaMode::near2, DType::bf16, 101);
+    s.B = 1;
+    check_case(s, true, {}, true);
+  }
 }
 
 // The accuracy bar of the CUDA issue: bf16, T in 512..2048, K in {64, 128}, beta ~ U(0, 2), gate on/off.
@@ -571,14 +530,15 @@ double pool_high_water_mib(bool reset) {
   return double(v) / double(1 << 20);
 }
 
-// PATHATTN_CUDA_BWD_OUT_WS=1 against =0: the backward keeps k~, ks, qhat and dks in the memory of the gradient
-// outputs (dq, dk, dv, dw) until it writes them, where those are dense blocks (whole calls; with one kv head,
-// every slice). Deterministic mode: bitwise the default layout's results, whole and sliced, with qhat hosted (MHA,
-// K = V, the far kernels) and not (GQA with qhat larger than dv; K != V), the gate on and off; the whole call's
-// workspace high-water below the default layout's. Default mode with the fused far kernel: within the oracle
-// tolerances.
+// Output memory as workspace (a dev build with -DPATHATTN_CUDA_BWD_OUT_WS=1; skipped in others): the backward keeps
+// k~, ks, qhat and dks in the memory of the gradient outputs (dq, dk, dv, dw) until it writes them, where those are
+// dense blocks (whole calls; with one kv head, every slice). Deterministic mode: whole and sliced bitwise equal,
+// with qhat hosted (MHA, K = V, the far kernels) and not (GQA with qhat larger than dv; K != V), the gate on and
+// off. Default mode with the fused far kernel: within the oracle tolerances. The workspace high-water is printed
+// for comparison with a build without it.
 TEST(CudaBackend, OutputsAsWorkspace) {
   REQUIRE_GPU();
+  if (!cuda::kBwdOutWs) GTEST_SKIP() << "outputs as workspace: a dev build with -DPATHATTN_CUDA_BWD_OUT_WS=1";
   struct Sp {
     int64_t T, HQ, H, K, V, B;
     bool gate;
@@ -590,33 +550,22 @@ TEST(CudaBackend, OutputsAsWorkspace) {
     Case c = Case::make(s);
     HostTensor dout = random_dout(c, 132);
     GpuCase gc(c, &dout);
-    setenv("PATHATTN_CUDA_BWD_OUT_WS", "0", 1);  // the default layout, whatever the default is
-    pool_high_water_mib(true);
-    GpuRun base = run_gpu(gc, true, true, -1);
-    const double hw_base = pool_high_water_mib(false);
-    ASSERT_TRUE(base.fs.ok() && base.bs.ok()) << base.fs.message() << base.bs.message();
-    setenv("PATHATTN_CUDA_BWD_OUT_WS", "1", 1);
     pool_high_water_mib(true);
     GpuRun whole = run_gpu(gc, true, true, -1);
     const double hw_whole = pool_high_water_mib(false);
+    ASSERT_TRUE(whole.fs.ok() && whole.bs.ok()) << whole.fs.message() << whole.bs.message();
     GpuRun sliced = run_gpu(gc, true, true, 1);  // a slice a batch row (one kv head: dense outputs)
-    unsetenv("PATHATTN_CUDA_BWD_OUT_WS");
-    for (const GpuRun* r : {&whole, &sliced}) {
-      ASSERT_TRUE(r->fs.ok() && r->bs.ok()) << r->fs.message() << r->bs.message();
-      const std::string what = s.name() + (r == &whole ? ", whole" : ", sliced");
-      EXPECT_TRUE(same_bits(r->dq, base.dq) && same_bits(r->dk, base.dk) && same_bits(r->dv, base.dv))
-          << "dq / dk / dv differ, " << what;
-      EXPECT_TRUE(same_bits(r->dw, base.dw) && same_bits(r->dbeta, base.dbeta) && same_bits(r->dg, base.dg))
-          << "dw / dbeta / dg differ, " << what;
-    }
-    // The forward's workspace is the same in both; the backward's is smaller with the outputs holding part.
-    EXPECT_LT(hw_whole, hw_base) << s.name();
-    std::printf("[out ws] %-60s workspace high-water %.2f -> %.2f MiB\n", s.name().c_str(), hw_base, hw_whole);
+    ASSERT_TRUE(sliced.fs.ok() && sliced.bs.ok()) << sliced.fs.message() << sliced.bs.message();
+    const std::string what = s.name() + ", sliced against whole";
+    EXPECT_TRUE(same_bits(sliced.dq, whole.dq) && same_bits(sliced.dk, whole.dk) && same_bits(sliced.dv, whole.dv))
+        << "dq / dk / dv differ, " << what;
+    EXPECT_TRUE(same_bits(sliced.dw, whole.dw) && same_bits(sliced.dbeta, whole.dbeta) &&
+                same_bits(sliced.dg, whole.dg))
+        << "dw / dbeta / dg differ, " << what;
+    std::printf("[out ws] %-60s workspace high-water %.2f MiB\n", s.name().c_str(), hw_whole);
   }
-  setenv("PATHATTN_CUDA_BWD_OUT_WS", "1", 1);
   check_case(mk(1500, 2, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 133), true, {}, true);
   check_case(mk(1300, 4, 4, 64, 64, false, BetaMode::two, DType::f16, 134), true, {}, true);
-  unsetenv("PATHATTN_CUDA_BWD_OUT_WS");
 }
 
 // The default limit holds: a backward whose workspace would be about 1 GiB in one slice (B = 1, T = 16384,

@@ -1,6 +1,6 @@
 // cuda/kspan.h: KSpan, where a block product's terms can be non-zero (the triangles of the chunk kernels'
 // operands and output masks), and the inner range a warp's part of the product needs. Host and device: the
-// chunk kernels narrow their k loops with it (common.cuh, mma_tc_acc), tests/cuda checks it on the CPU.
+// chunk kernels narrow their k loops with it (device/tiles.cuh, mma_tc_acc), tests/cuda checks it on the CPU.
 #pragma once
 
 #if defined(__CUDACC__)

@@ -1,4 +1,4 @@
-// cuda/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
+// cuda/kernels/bwd_chunk.cu: the chunk-local backward, per (chunk, kv head), on tensor cores (tf32 mma, fp32
 // accumulation; where dP is staged, its two products on fp16 mma with dP under one power-of-two scale). It takes E
 // from the backward's chunk_prep (p.E, fp16 with a power of two a row: load_e) and W2 from its fp16 copy w2h
 // (the one the scans transport with; every product here rounds E and W2 to tf32's 10-bit mantissa anyway),
@@ -11,7 +11,7 @@
 // to dq, dk, dw, dbeta (dE -> dA = -E^T dE E^T on the strict lower triangle). (dv is bwd_k's.)
 // The 64 x K gradients dW, dK, dW2 accumulate in registers (every product of one shape gives a thread the
 // same outputs: TcTile). Sums run in a fixed order inside the CTA: deterministic.
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 
 namespace pathattn::cuda {

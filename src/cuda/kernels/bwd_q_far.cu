@@ -1,4 +1,4 @@
-// cuda/bwd_q_far.cu: the query side's far part of the backward on Hopper (sm_90a). For a query tile (the two
+// cuda/kernels/bwd_q_far.cu: the query side's far part of the backward on Hopper (sm_90a). For a query tile (the two
 // chunks of a superblock pair S >= 1, 128 rows, one warpgroup each) of a query head, the keys of every earlier
 // superblock sb meet the queries moved to sb's end, qt_sb = qhat PS_{S-1} ... PS_{sb+1} (qhat: the queries at
 // their superblock's start, from bwd_q's first launch), with ks (the keys moved to their superblock's end).
@@ -19,7 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda/hopper.cuh"
+#include "cuda/device/hopper.cuh"
 #include "cuda/launchers.h"
 #include "cuda/tensor_map.h"
 

@@ -1,4 +1,4 @@
-// cuda/hopper.cuh: sm_90a device helpers: wgmma (warpgroup MMA with A from registers, B from shared memory
+// cuda/device/hopper.cuh: sm_90a device helpers: wgmma (warpgroup MMA with A from registers, B from shared memory
 // through a matrix descriptor), TMA tile loads (cp.async.bulk.tensor) and the mbarriers they complete. Only
 // the sm_90a device pass compiles their bodies (PA_SM90A); kernels that use them guard their own bodies the
 // same way, so the library still builds for sm_80 (where those kernels are empty and never launched).
@@ -8,7 +8,7 @@
 
 #include <type_traits>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define PA_SM90A 1

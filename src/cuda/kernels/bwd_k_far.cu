@@ -1,4 +1,4 @@
-// cuda/bwd_k_far.cu: the key side's far part of the backward on Hopper (sm_90a). For a key tile (the two chunks
+// cuda/kernels/bwd_k_far.cu: the key side's far part of the backward on Hopper (sm_90a). For a key tile (the two chunks
 // of a superblock pair, 128 keys, one warpgroup each) of a kv head, the queries of every later superblock a of
 // its sequence meet the keys moved to a's start, kt_a = ks PS_{sbk+1}^T ... PS_{a-1}^T (ks: the keys at their
 // own superblock's end, from super_prep), with qhat (the queries moved to their superblock's start, from
@@ -12,18 +12,18 @@
 // dv. With p.kfuse (kFuse; no gate, not deterministic) it takes the query side's far part too, so that no
 // bwd_q_far runs: per item dq = dS kt_a (the gradient w.r.t. qhat, the frame bwd_q's last launch starts from)
 // into dqt, from dS^T staged in shared memory (each warpgroup K / 2 features over all 128 keys), the fp32 tile
-// staged over the item's spent query stage and added by TMA reductions (v3.40), and at each crossing
+// staged over the item's spent query stage and added by TMA reductions, and at each crossing
 // dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a tile, as bwd_q_far stages gbar);
-// it then runs before bwd_q's last launch, which adds its diagonal dv to this one's (dev/cuda/NOTES.md v3.39).
+// it then runs before bwd_q's last launch, which adds its diagonal dv to this one's (docs/cuda.md).
 // Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
-// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from bwd_delta in prep.cu). Every output row
+// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from bwd_delta in bwd_delta_dg.cu). Every output row
 // has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
 // keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 
-#include "cuda/hopper.cuh"
+#include "cuda/device/hopper.cuh"
 #include "cuda/launchers.h"
 #include "cuda/tensor_map.h"
 
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   constexpr int kKfStages = KfSmem<K, kFuse>::stages;
   // Fused at K = 128: each warpgroup stages and adds its own half of dq's boxes, waiting only for its own warps'
   // stores (a named barrier) and for both warpgroups' release of the item's stage (its empty barrier), not for two
-  // CTA barriers an item (f+b -1.2% at T = 8k, -0.7% at 4k; at K = 64, +0.5%: dev/cuda/NOTES.md v3.71).
+  // CTA barriers an item (f+b -1.2% at T = 8k, -0.7% at 4k; at K = 64, +0.5%: docs/cuda.md).
   constexpr bool kWgDq = kFuse && K == 128;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Kt = reinterpret_cast<T*>(align1k(smem));  // [128 keys][K] as KB column blocks of 128 x 64
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
     // the loop (no product under a branch: ptxas would serialize every wgmma). At K = 64 the scores of item j are
     // issued together with dv / h of item j - 1 (registers allow it: far_bwd's bkw); at K = 128 one group at a
     // time (bkw0: as fast there, without bkw's spills). Fused, item j - 1's dq is staged while item j's S^T
-    // (K = 128) or scores (K = 64) run on the tensor cores (dev/cuda/NOTES.md v3.56).
+    // (K = 128) or scores (K = 64) run on the tensor cores (docs/cuda.md).
     constexpr bool kOverlap = K == 64;
     auto item_begin = [&](int a) {
       return a == last_sb ? 0 : (n_last + p.sc * (last_sb - 1 - a)) * p.group;
@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         ++n_kt;
         if constexpr (kWgDq) {
           // The first item's S^T / dP^T issued before the second half of dPS_a is added, so that its vector
-          // reductions run under them (dev/cuda/NOTES.md v3.72); then wait_item's barrier and the scores.
+          // reductions run under them (docs/cuda.md); then wait_item's barrier and the scores.
           float d1[8][4];
           float* const dst = dps_of(a);
           add_dps_wg(dst, up, d1);
@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         if constexpr (kOverlap && kFuse) {
           // dv / h / dq of item j - 1 issued before item j's scores, so that j - 1's dq is staged and reduced
           // under them (P^T / dS^T then run with no product under them: fused kernel -0.6% at K = 64, T = 4k;
-          // dev/cuda/NOTES.md v3.56).
+          // docs/cuda.md).
           issue_acc(n - 1, -1);
           issue_sdp(n);
           wg_wait<1>();  // dv / h / dq of item j - 1 done; S^T, dP^T of item j may still run
@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           // dv / h / dq of item j - 1 waited for, then item j's S^T issued before j - 1's dq is staged and
           // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (fused
           // kernel -2.7% at T = 4k and 16k; with dP^T's accumulators live too, dv, h, dq and both would not fit
-          // the registers: ptxas spills 208 / 268 bytes; dev/cuda/NOTES.md v3.56).
+          // the registers: ptxas spills 208 / 268 bytes; docs/cuda.md).
           issue_acc(n - 1, j + 1);
           wg_wait<0>();
           fence_regs(dv, hk, pa, dsa);

@@ -1,5 +1,5 @@
-// tests/cpp/harness.cpp: implementation of the shared test machinery (see harness.h).
-#include "harness.h"
+// check/harness.cpp: implementation of the shared test machinery (see harness.h).
+#include "check/harness.h"
 
 #include <algorithm>
 #include <cmath>

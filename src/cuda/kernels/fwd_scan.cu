@@ -1,9 +1,9 @@
-// cuda/fwd.cu: the forward scan. One warpgroup per (query chunk, query head), one or two a CTA (below): the
+// cuda/kernels/fwd_scan.cu: the forward scan. One warpgroup per (query chunk, query head), one or two a CTA (below): the
 // diagonal chunk from the precomputed A_loc, then key chunks right to left with an online softmax. Two-level
-// transport (ALGORITHMS.md section 4): within the query's own superblock the query tile (fp32 in registers) is
+// transport (docs/algorithms.md): within the query's own superblock the query tile (fp32 in registers) is
 // moved across each chunk, qt <- qt - (qt W^T) W2; beyond it the keys come pre-moved to the end of their
 // superblock (ks) and the query crosses a whole superblock at once, qt <- qt PS (fp16 operands, fp32 accum).
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 
 namespace pathattn::cuda {
@@ -16,7 +16,7 @@ namespace {
 // a superblock product PS (K rows). About 103 KB at K = V = 128.
 // NP query chunks a CTA (a warpgroup each, fwd_scan_chunks_per_cta): at K = 128 a CTA takes two (an even chunk c
 // and c + 1), which read the same key chunks below c, so that each tile loads once for both: half the tiles'
-// L2 traffic, -5% of this kernel (its latency, not L2, binds it; dev/cuda/NOTES.md v3.30). Chunk c + 1 meets
+// L2 traffic, -5% of this kernel (its latency, not L2, binds it; docs/cuda.md). Chunk c + 1 meets
 // chunk c first, alone (chunk c's warpgroup waits at the barriers). At K = 64 one chunk a CTA (three CTAs an SM
 // by registers; two chunks' A_loc would not fit the transport region).
 constexpr int kFwdThreads = 128;

@@ -1,4 +1,4 @@
-// cuda/fwd_far.cu: the forward's far part on Hopper (sm_90a). fwd_scan, run with p.ofar set, stops at its own
+// cuda/kernels/fwd_far.cu: the forward's far part on Hopper (sm_90a). fwd_scan, run with p.ofar set, stops at its own
 // superblock's first chunk and leaves there the query state moved to the superblock's start (fp16, in qtl),
 // the output so far (normalized, fp32, ofar) and its log2-sum-exp (lsefar). This kernel continues each
 // query chunk from that state across the earlier superblocks: attention against their keys moved to the
@@ -10,15 +10,13 @@
 // one. The superblock product goes through a tile of its own with its own barriers. The query state between
 // crossings stays in shared memory as the fp16 fragments the next crossing multiplies (each thread its own):
 // a round trip of the fp32 state through global memory at every crossing cost about 30% of this kernel at
-// K = 128, T = 4k (dev/cuda/NOTES.md v3.29). The room for it comes from the k~ tiles: two stages of them (a
+// K = 128, T = 4k (docs/cuda.md). The room for it comes from the k~ tiles: two stages of them (a
 // chunk's scores are done before the next chunk's loads are issued) against three of v (P V of chunk c - 1
 // runs beside the scores of c).
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
-#include "cuda/hopper.cuh"
+#include "cuda/device/hopper.cuh"
 #include "cuda/launchers.h"
 #include "cuda/tensor_map.h"
 
@@ -311,8 +309,7 @@ bool far_device_ok(size_t smem) {
   (void)smem;
   return false;  // no sm_90a device code in this build: the far kernels are empty
 #endif
-  const char* env = std::getenv("PATHATTN_CUDA_FAR");
-  if (env && std::strcmp(env, "0") == 0) return false;
+  if (!kFarKernels) return false;  // a dev build without the far kernels (heuristics.h)
   // Per device (cached): an sm_90a binary of the far kernels (they have a body only there), a Hopper device,
   // its opt-in shared memory a block, and the driver's tensor-map encoder. Errors of these queries are cleared.
   constexpr int kDevs = 64;

@@ -1,4 +1,4 @@
-// tests/cpp/oracle_chain.h: the oracle chain, shared by the ctest suite and `pathattn check`. Draws awkward
+// check/oracle_chain.h: the oracle chain, shared by the ctest suite and `pathattn check`. Draws awkward
 // random cases and compares a candidate backend (the cpu fast path) with the fp64 oracle, in fp64 (max
 // relative error) and fp32 (relative L2), forward and every gradient. Bounds: docs/numerics.md.
 #pragma once
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "harness.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 

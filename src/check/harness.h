@@ -1,4 +1,4 @@
-// tests/cpp/harness.h: shared test machinery. Owning host tensors with guard regions (poisoned sentinels
+// check/harness.h: shared test machinery. Owning host tensors with guard regions (poisoned sentinels
 // around every output to catch out-of-bounds writes), seeded random PaTH inputs, and runners that fill the
 // one params struct and call any backend, so a test builds a case once and compares backends.
 #pragma once

@@ -1,6 +1,6 @@
-// tests/cpp/oracle_chain.cpp: the oracle chain (see oracle_chain.h): awkward random cases and the
+// check/oracle_chain.cpp: the oracle chain (see oracle_chain.h): awkward random cases and the
 // candidate-vs-oracle comparison in fp64 and fp32, used by the ctest suite and `pathattn check`.
-#include "oracle_chain.h"
+#include "check/oracle_chain.h"
 
 #include <algorithm>
 #include <cmath>

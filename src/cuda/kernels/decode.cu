@@ -1,6 +1,6 @@
-// cuda/decode.cu: prefill and single-token decode on a device cache (SPEC.md section 6; the same math as
+// cuda/kernels/decode.cu: prefill and single-token decode on a device cache (docs/spec.md; the same math as
 // cpu/decode.cpp). The cache lives on the device: kc, vc fp32 [N, H, C, K / V], gc fp64 [N, HQ, C]; lengths
-// stay in host memory and are read and written by the caller (cpu/decode.cpp's entry points) around these
+// stay in host memory and are read and written by the caller (api/decode.cpp's entry points) around these
 // launches. Everything runs on the caller's stream; the small workspaces are stream-ordered allocations.
 // The kernels favour plain, obviously correct code over speed: one warp per row, fp32 (fp64 where the CPU
 // path uses fp64) arithmetic, no tensor cores.
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/host_util.h"
 #include "cuda/launchers.h"
@@ -351,7 +351,7 @@ __global__ void decode_merge_kernel(DecodeArgs a) {
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------
-// Host entry points (after cpu/decode.cpp's validation).
+// Host entry points (after api/decode.cpp's validation).
 
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots) {
   PA_TRY(check_support(pr, p.fwd.q.dtype));

@@ -1,4 +1,4 @@
-// cuda/bwd_k.cu: the key-side backward pass. Per (key chunk kc, kv head h), all query heads of the group,
+// cuda/kernels/bwd_k.cu: the key-side backward pass. Per (key chunk kc, kv head h), all query heads of the group,
 // two-level as the forward:
 //   pass 1 (left to right) moves the chunk-end keys k~ forward across the later chunks of their superblock,
 //          kt^(qc+1) = kt^(qc) P_qc^T = kt - (kt W2^T) W, then across whole later superblocks
@@ -16,7 +16,7 @@
 // Every output row belongs to this CTA alone: no atomics, deterministic in every mode. A warp owns 16 key
 // rows and every step of h is row-wise, so h and dv stay in registers (the chain steps take h as the A
 // operand through warp_chunk_step / warp_ps_step); about 105 KB of shared memory at K = V = 128: two CTAs per SM.
-#include "cuda/common.cuh"
+#include "cuda/device/common.cuh"
 #include "cuda/launchers.h"
 
 namespace pathattn::cuda {

@@ -1,4 +1,4 @@
-// core/api.cpp: the public entry points. Each validates its params into a core::Problem, then dispatches to
+// api/dispatch.cpp: the public forward and backward entries. Each validates its params into a core::Problem, then dispatches to
 // the backend the Problem names. Backends never see unvalidated params.
 #include <cstring>
 #include <string>

@@ -1,4 +1,4 @@
-// cuda/kernel_params.h: the one plain struct that carries a call from the adapter (backend.cu) to every
+// cuda/params.h: the one plain struct that carries a call from the adapter (backend.cu) to every
 // kernel: raw pointers, element strides, sizes, the chunk table and workspace pointers. Host- and
 // device-visible; no framework types. Launchers take it by value plus a stream.
 #pragma once
@@ -7,20 +7,9 @@
 
 #include <cstdint>
 
-namespace pathattn::cuda {
+#include "cuda/heuristics.h"
 
-// Chunk size C of the UT transform and the query/key tile of every kernel. 64 rows make one mma tile of
-// 4 warps x 16 rows, and keep the fp32 chunk kernels within the shared memory of an A100 at K = 128.
-inline constexpr int kChunk = 64;
-// Chunks per superblock of the two-level scan (ALGORITHMS.md section 4): keys beyond the query's own
-// superblock are pre-moved to the end of their superblock and the query crosses a whole superblock with one
-// dense K x K product. Every kernel reads the call's p.sc, an even number of chunks: the forward kSuperChunks
-// (fwd_super_chunks in backend.cu), the backward kSuperChunksShort, kSuperChunksMid or kSuperChunks by the
-// longest sequence, K, the gate and the deterministic mode (bwd_super_chunks; dev/cuda/NOTES.md v3.33, v3.63,
-// v3.64).
-inline constexpr int kSuperChunks = 8;
-inline constexpr int kSuperChunksShort = 4;
-inline constexpr int kSuperChunksMid = 6;
+namespace pathattn::cuda {
 
 // Slots of C x K snapshots in each backward CTA's scratch. With the transport, a work item parks at most
 // sc states within its own superblock (slots 0 .. sc - 1, by distance in chunks) and one per other superblock
@@ -125,11 +114,8 @@ struct KernelParams {
                     // the own superblock only, its chain starting from dqt (bwd_q_far's gradient w.r.t. qhat)
   bool kfuse;       // bwd_k_far takes the query side's far part too (dq by reductions into dqt, which bwd_q's qhat
                     // launch zeroes; dPS from the key chain) and runs before bwd_q's last launch; no bwd_q_far
-  // The two-size backward (far_glue.cu): far_adj, bwd_k_far on each tile's adjacent superblock alone; far_half,
-  // bwd_k_far on double blocks of 2 far_half chunks whose dv rows of even halves the adjacent launch stored first
-  // (added to; else 0).
-  // With far_half, the chains' buffers for the halves that need no transform: the keys of odd halves start from
-  // far1_ks and leave their gradient in far1_dks, the queries of even halves are far1_qhat and add into far1_dqt.
+  // The removed two-size backward's fields: always zero (false) now; bwd_k_far still reads them. To go with its
+  // branches in a follow-up (a kernel change, to be measured).
   bool far_adj;
   int far_half;
   void* far1_ks;

@@ -1,0 +1,107 @@
+// api/decode.cpp: the public prefill and decode entries. Each validates the forward and the cache, then runs
+// the backend the Problem names: the host code in cpu/decode.cpp for oracle and cpu, cuda/kernels/decode.cu on
+// the device.
+#include <string>
+#include <vector>
+
+#include "core/convert.h"
+#include "core/problem.h"
+#include "cpu/cpu_backend.h"
+#ifdef PATHATTN_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace pathattn {
+namespace {
+
+Status bad(const std::string& m) { return Status(Status::Code::invalid_argument, m); }
+
+// Every sequence of a validated forward, empty ones included, in cache-slot order: slot n is batch row n,
+// or varlen sequence n.
+std::vector<core::Seq> all_seqs(const PathFwdParams& p, const core::Problem& pr) {
+  std::vector<core::Seq> out;
+  if (p.cu_seqlens.present()) {
+    const TensorView& cu = p.cu_seqlens;
+    for (int64_t n = 0; n < pr.num_seqs; ++n) {
+      const int64_t a = core::load_elem<int64_t>(cu.data, cu.dtype, n * cu.stride[0]);
+      const int64_t b = core::load_elem<int64_t>(cu.data, cu.dtype, (n + 1) * cu.stride[0]);
+      out.push_back({0, a, b - a});
+    }
+  } else {
+    for (int64_t b = 0; b < pr.B; ++b) out.push_back({b, 0, pr.T});
+  }
+  return out;
+}
+
+}  // namespace
+
+// Prefill: validate the forward and the cache, run the forward on its backend, then build the cache, one
+// work unit per (sequence, kv head): on the host, or on the device for the cuda backend (cuda/kernels/decode.cu).
+Status path_attn_prefill(const PathPrefillParams& p) {
+  core::Problem pr;
+  PA_TRY(core::check_fwd(p.fwd, &pr));
+  PA_TRY(core::check_cache(p.cache, pr, pr.num_seqs, /*need_room=*/false));
+  const std::vector<core::Seq> seqs = all_seqs(p.fwd, pr);
+  const int64_t cap = p.cache.kc.shape[2];
+  for (size_t n = 0; n < seqs.size(); ++n) {
+    if (seqs[n].len > cap) {
+      return bad("cache.kc: capacity C = " + std::to_string(cap) + " (kc.shape[2]) is smaller than sequence " +
+           std::to_string(n) + "'s length " + std::to_string(seqs[n].len));
+    }
+  }
+  if (pr.backend == Backend::cuda) {
+#ifdef PATHATTN_WITH_CUDA
+    PA_TRY(cuda::prefill(p, pr, seqs));  // the forward and the device cache; lengths are set below
+#else
+    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
+#endif
+  } else {
+    PA_TRY(path_attn_fwd(p.fwd));
+    PA_TRY(cpu::prefill(p, pr, seqs));
+  }
+  int64_t* len = static_cast<int64_t*>(p.cache.lengths.data);
+  for (size_t n = 0; n < seqs.size(); ++n) len[int64_t(n) * p.cache.lengths.stride[0]] = seqs[n].len;
+  return Status::Ok();
+}
+
+// Decode: the step's inputs are a forward problem with B = N and T = 1, so check_fwd validates them all;
+// then the cache, with room for one more token in every slot.
+Status path_attn_decode(const PathDecodeParams& p) {
+  PathFwdParams f;
+  f.q = p.q;
+  f.k = p.k;
+  f.v = p.v;
+  f.w = p.w;
+  f.beta = p.beta;
+  f.g = p.g;
+  f.scale = p.scale;
+  f.gate_scale = p.gate_scale;
+  f.o = p.o;
+  f.lse = p.lse;
+  f.backend = p.backend;
+  f.num_threads = p.num_threads;
+  f.stream = p.stream;
+  core::Problem pr;
+  PA_TRY(core::check_fwd(f, &pr));
+  if (pr.T != 1) {
+    return bad("q: expected shape [N, 1, HQ, K] (one token per sequence), got " + core::shape_str(p.q));
+  }
+  PA_TRY(core::check_cache(p.cache, pr, pr.B, /*need_room=*/true));
+  const int64_t N = pr.B;
+  std::vector<int64_t> len(N);  // read once: every kv head of a slot sees the length before this step
+  int64_t* lp = static_cast<int64_t*>(p.cache.lengths.data);
+  for (int64_t n = 0; n < N; ++n) len[n] = lp[n * p.cache.lengths.stride[0]];
+  if (pr.backend == Backend::cuda) {
+#ifdef PATHATTN_WITH_CUDA
+    PA_TRY(cuda::decode(p, pr, len));  // lengths stay in host memory: updated below
+#else
+    return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
+#endif
+  } else {
+    PA_TRY(cpu::decode(p, pr, len));
+  }
+  for (int64_t n = 0; n < N; ++n) lp[n * p.cache.lengths.stride[0]] = len[n] + 1;
+  return Status::Ok();
+}
+
+}  // namespace pathattn
