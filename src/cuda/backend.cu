@@ -567,8 +567,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
     kfar_tiles = order_far_tiles(std::move(kfar_tiles), work);
   }
   // One far kernel for both sides (bwd_k_far with kfuse: dq by reductions into dqt, dPS from the key chain;
-  // dev/cuda/NOTES.md v3.39) where both far kernels would run and it can (not with the gate, whose dS sums are
-  // the query side's, nor in deterministic mode). PATHATTN_CUDA_FAR_FUSE=0 keeps the two kernels.
+  // dev/cuda/NOTES.md v3.39; with the gate also the gate's sums of dS) where both far kernels would run and it can
+  // (not in deterministic mode). PATHATTN_CUDA_FAR_FUSE=0 keeps the two kernels.
   const char* fuse_env = std::getenv("PATHATTN_CUDA_FAR_FUSE");
   kp.kfuse = !qfar_tiles.empty() && !kfar_tiles.empty() && bwd_k_far_fusable(kp) &&
              !(fuse_env != nullptr && std::strcmp(fuse_env, "0") == 0);
@@ -711,6 +711,8 @@ Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, b
   PA_TRY(tables.commit(ws));
   if (ws.measuring()) return Status::Ok();
   if (zero_qhat) PA_CU(ws.zero(kp.qhat, NT * HQ * K * 2));
+  // The fused far kernel adds the far part of the gate's row sums into dgrow (bwd_q_far would write it).
+  if (pr.gate && kp.kfuse) PA_CU(ws.zero(kp.dgrow, NT * HQ * sizeof(float)));
   if (zero_qhat && two_size) PA_CU(ws.zero(qhat2, NT * HQ * K * 2));
 
   Profile prof(s, "bwd");

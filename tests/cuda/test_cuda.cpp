@@ -433,8 +433,8 @@ TEST(CudaBackend, ForwardSuperblockSizes) {
 // oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
 // or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
 // nine superblocks crossed (each superblock size: 256, 384 and 512 tokens), beta = 2 and near 2, the gate (the
-// far kernels take it where a sequence is longer than 2048 tokens; the far query kernel takes the gate's row and
-// column sums of dS).
+// far kernels take it where a sequence is longer than 2048 tokens; the far query kernel, or the fused far kernel,
+// takes the gate's row and column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
   on_the_backward_far_paths([] {
@@ -462,6 +462,9 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s = mk(2500, 4, 2, 128, 128, false, BetaMode::uniform02, DType::bf16, 100);
     s.B = 1;
     check_case(s, true, {}, true);
+    // The gate in the fused far kernel (its sums of dS into dgrow / dgcol) with GQA, two batch rows (the next
+    // row's queries in the last tiles) and a last chunk part past the end.
+    check_case(mk(2150, 4, 2, 64, 64, true, BetaMode::near2, DType::bf16, 101), true, {}, true);
   });
 }
 
