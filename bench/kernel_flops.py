@@ -252,7 +252,7 @@ def plan(B, T, H, HQ, K, V, gate=False, deterministic=False, fwd_sc=None, bwd_sc
     qfar = far and not deterministic       # bwd_q_far_usable
     kfar = far                             # bwd_k_far_usable
     return dict(nc=nc, G=HQ // H, fwd_sc=fsc, bwd_sc=bsc, fwd_far=fwd_far, qfar=qfar,
-                kfar=kfar, kfuse=qfar and kfar and not gate and not deterministic)
+                kfar=kfar, kfuse=qfar and kfar and not deterministic)
 
 
 def kernel_flops(B, T, H, HQ, K, V, gate=False, backward=True, deterministic=False, fwd_sc=None, bwd_sc=None,

@@ -205,9 +205,8 @@ Status bwd_plan_far(Bwd& b) {
     }
     b.kfar_tiles = order_far_tiles(std::move(b.kfar_tiles), work);
   }
-  // One far kernel for both sides (bwd_k_far with kfuse: dq by reductions into dqt, dPS from the key chain) where
-  // both far kernels would run and it can (not with the gate, whose dS sums are the query side's, nor in
-  // deterministic mode).
+  // One far kernel for both sides (bwd_k_far with kfuse: dq by reductions into dqt, dPS from the key chain; with
+  // the gate also the gate's sums of dS) where both far kernels would run and it can (not in deterministic mode).
   kp.kfuse = kFarFuse && !b.qfar_tiles.empty() && !b.kfar_tiles.empty() && bwd_k_far_fusable(kp);
   // bwd_q / bwd_k park the states at earlier (later) superblocks' ends only where the far kernels do not take
   // those superblocks: with both far kernels, a CTA parks its own superblock's chunks alone.
@@ -306,6 +305,8 @@ Status bwd_launch(Bwd& b, bool msv_early) {
   cudaStream_t s = static_cast<cudaStream_t>(b.p.stream);
   int* const counters = b.counters;
   if (b.zero_qhat) PA_CU(b.ws.zero(kp.qhat, b.NT * b.HQ * b.K * 2));
+  // The fused far kernel adds the far part of the gate's row sums into dgrow (bwd_q_far would write it).
+  if (b.pr.gate && kp.kfuse) PA_CU(b.ws.zero(kp.dgrow, b.NT * b.HQ * sizeof(float)));
 
   Profile prof(s, "bwd");
   if (b.pr.gate) PA_CU(launch_gate_cumsum(kp, b.seq_first, b.nseqs, s));

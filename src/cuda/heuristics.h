@@ -25,9 +25,10 @@ namespace pathattn::cuda {
 #ifndef PATHATTN_CUDA_FAR_FUSE
 #define PATHATTN_CUDA_FAR_FUSE 1
 #endif
-// 1: the backward keeps buffers in the memory of its gradient outputs until it writes them (OutputHost).
+// 1: the backward keeps buffers in the memory of its gradient outputs until it writes them (OutputHost; the
+// default: f+b -1.7% at K = 64 T = 4k, -1.1% at K = 128 T = 1k, within noise elsewhere, docs/cuda.md).
 #ifndef PATHATTN_CUDA_BWD_OUT_WS
-#define PATHATTN_CUDA_BWD_OUT_WS 0
+#define PATHATTN_CUDA_BWD_OUT_WS 1
 #endif
 // -1: the plan picks where super_bwd's M_c are written; 1 / 0: always super_prep's first / second launch.
 #ifndef PATHATTN_CUDA_SUPER_MSV

@@ -410,8 +410,8 @@ TEST(CudaBackend, ForwardSuperblockSize) {
 // oracle, all three ways: GQA, rows past a sequence's end in its last chunk (T % 64 != 0: the next batch row's
 // or sequence's rows in the tiles), a tile's second chunk past the end, varlen with an empty sequence, one to
 // nine superblocks crossed (each superblock size: 256, 384 and 512 tokens), beta = 2 and near 2, the gate (the
-// far kernels take it where a sequence is longer than 2048 tokens; the far query kernel takes the gate's row and
-// column sums of dS).
+// far kernels take it where a sequence is longer than 2048 tokens; the far query kernel, or the fused far kernel,
+// takes the gate's row and column sums of dS).
 TEST(CudaBackend, BackwardFarAndWhole) {
   REQUIRE_GPU();
   {
@@ -439,6 +439,9 @@ TEST(CudaBackend, BackwardFarAndWhole) {
     s = mk(4200, 2, 1, 64, 64, false, BetaMode::near2, DType::bf16, 101);
     s.B = 1;
     check_case(s, true, {}, true);
+    // The gate in the fused far kernel (its sums of dS into dgrow / dgcol) with GQA, two batch rows (the next
+    // row's queries in the last tiles) and a last chunk part past the end.
+    check_case(mk(2150, 4, 2, 64, 64, true, BetaMode::near2, DType::bf16, 102), true, {}, true);
   }
 }
 
@@ -530,15 +533,15 @@ double pool_high_water_mib(bool reset) {
   return double(v) / double(1 << 20);
 }
 
-// Output memory as workspace (a dev build with -DPATHATTN_CUDA_BWD_OUT_WS=1; skipped in others): the backward keeps
-// k~, ks, qhat and dks in the memory of the gradient outputs (dq, dk, dv, dw) until it writes them, where those are
+// Output memory as workspace (the default; a dev build with -DPATHATTN_CUDA_BWD_OUT_WS=0 skips it): the backward
+// keeps k~, ks, qhat and dks in the memory of the gradient outputs (dq, dk, dv, dw) until it writes them, where those are
 // dense blocks (whole calls; with one kv head, every slice). Deterministic mode: whole and sliced bitwise equal,
 // with qhat hosted (MHA, K = V, the far kernels) and not (GQA with qhat larger than dv; K != V), the gate on and
 // off. Default mode with the fused far kernel: within the oracle tolerances. The workspace high-water is printed
 // for comparison with a build without it.
 TEST(CudaBackend, OutputsAsWorkspace) {
   REQUIRE_GPU();
-  if (!cuda::kBwdOutWs) GTEST_SKIP() << "outputs as workspace: a dev build with -DPATHATTN_CUDA_BWD_OUT_WS=1";
+  if (!cuda::kBwdOutWs) GTEST_SKIP() << "outputs as workspace: off in this build (-DPATHATTN_CUDA_BWD_OUT_WS=0)";
   struct Sp {
     int64_t T, HQ, H, K, V, B;
     bool gate;

@@ -9,7 +9,7 @@
 //          resident A tile: per (query chunk of a, query head of the group) S^T = kt_a qhat^T, dP^T = v dO^T,
 //          dv += P^T dO, h += scale dS^T qhat, and between superblocks h <- h PS_a;
 // h at the own superblock's end is dks (bwd_k's far result), and bwd_k (with p.kfar) continues from dks and
-// dv. With p.kfuse (kFuse; no gate, not deterministic) it takes the query side's far part too, so that no
+// dv. With p.kfuse (kFuse; not deterministic) it takes the query side's far part too, so that no
 // bwd_q_far runs: per item dq = dS kt_a (the gradient w.r.t. qhat, the frame bwd_q's last launch starts from)
 // into dqt, from dS^T staged in shared memory (each warpgroup K / 2 features over all 128 keys), the fp32 tile
 // staged over the item's spent query stage and added by TMA reductions, and at each crossing
@@ -18,7 +18,8 @@
 // Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
 // mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from bwd_delta in bwd_delta_dg.cu). Every output row
 // has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
-// keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), so none are taken here.
+// keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), taken here only with kFuse, where
+// this kernel is the query side's far part (gate_sums).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -395,6 +396,38 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       }
       wg_rows_outer<T>(d1, Dss, wg, Kt, 1, 0, 8);
     };
+    // kFuse with the gate, after pds and the packing: the gate's sums of item n's dS, which the fused kernel takes in bwd_q_far's
+    // place and with its weights: per key (rows of dS^T) into dgcol, per query row (columns) into dgrow (zeroed
+    // before the launch; bwd_q's last launch adds the own superblock's part). Keys and query rows past the
+    // sequence's end are left out.
+    auto gate_sums = [&](uint32_t n) {
+      const int j = int(n - n_q), qc = chunk_of(j), hq = head_of(j);
+      const float w = p.gate_scale / p.scale;
+      {
+        const int rows = ch.len - qc * kChunk;
+        float* const dst = p.dgrow + (seq_tok0 + int64_t(qc) * kChunk) * p.HQ + hq;
+        float cs[8][2];
+        warp_col_sums(dp, cs);
+        if (lane < 4)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = 8 * nt + 2 * lane + e;
+              if (r < rows) atomicAdd(dst + int64_t(r) * p.HQ, w * cs[nt][e]);
+            }
+      }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float a = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) a += dp[nt][2 * hr] + dp[nt][2 * hr + 1];
+        a += __shfl_xor_sync(0xffffffffu, a, 1);
+        a += __shfl_xor_sync(0xffffffffu, a, 2);
+        const int key = kc * kChunk + 16 * warp + g + 8 * hr;
+        if (t4 == 0 && key < ch.len) atomicAdd(p.dgcol + (seq_tok0 + key) * p.HQ + hq, -w * a);
+      }
+    };
     auto pds = [&](uint32_t n) {  // P^T into s, scale dS^T into dp (columns are query rows)
       const float2* l2 = Ls + (n % kKfStages) * kChunk;
       float gk[2] = {0.f, 0.f};  // the keys' gate terms for item n's query head
@@ -455,6 +488,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
       pds(n);
       pack_frags<T, 4>(pa, s);
       pack_frags<T, 4>(dsa, dp);
+      if constexpr (kGate && kFuse) gate_sums(n);  // s is dead here: its registers take the sums
       stage_ds(n);
     };
     auto acc_alone = [&](uint32_t n) {  // dv, h (and dq) of item n, waited for, its stage released
@@ -602,12 +636,15 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
 
 template <typename T, int K>
 cudaError_t far_t(const KernelParams& p, const KfMaps& mp, int nitems, int grid, cudaStream_t s) {
-  if (p.gate)
-    return launch_with_smem(bwd_k_far_kernel<T, K, true, false>, dim3(unsigned(grid)), kKfThreads,
-                            KfSmem<K, false>::bytes, s, p, mp, nitems);
+  if (p.kfuse && p.gate)
+    return launch_with_smem(bwd_k_far_kernel<T, K, true, true>, dim3(unsigned(grid)), kKfThreads,
+                            KfSmem<K, true>::bytes, s, p, mp, nitems);
   if (p.kfuse)
     return launch_with_smem(bwd_k_far_kernel<T, K, false, true>, dim3(unsigned(grid)), kKfThreads,
                             KfSmem<K, true>::bytes, s, p, mp, nitems);
+  if (p.gate)
+    return launch_with_smem(bwd_k_far_kernel<T, K, true, false>, dim3(unsigned(grid)), kKfThreads,
+                            KfSmem<K, false>::bytes, s, p, mp, nitems);
   return launch_with_smem(bwd_k_far_kernel<T, K, false, false>, dim3(unsigned(grid)), kKfThreads,
                           KfSmem<K, false>::bytes, s, p, mp, nitems);
 }
@@ -622,7 +659,7 @@ bool bwd_k_far_usable(const KernelParams& p) {
 }
 
 bool bwd_k_far_fusable(const KernelParams& p) {
-  if (p.gate || p.deterministic || !bwd_k_far_usable(p) || !far_device_ok(KfSmem<128, true>::bytes)) return false;
+  if (p.deterministic || !bwd_k_far_usable(p) || !far_device_ok(KfSmem<128, true>::bytes)) return false;
   // dq's paired-row map overlaps two of its dimensions: where a driver would refuse to encode it, the two far
   // kernels run instead. Encoding only checks the parameters: v's address (16-byte aligned, as usable checked)
   // stands in for dqt's, not allocated yet.
