@@ -25,6 +25,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/far_glue.cu
   src/cuda/bwd_chunk.cu
   src/cuda/decode.cu
+  src/cuda/param_dtypes.cu
 )
 add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
 set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)

@@ -974,7 +974,8 @@ Status run_sliced(const P& p, const core::Problem& pr, Run run, bool by_pairs = 
 
 }  // namespace
 
-Status fwd(const PathFwdParams& p, const core::Problem& pr) {
+// Entry points with fp32 w, beta, g (and dw, dbeta, dg); param_dtypes.cu converts other dtypes.
+Status fwd_f32(const PathFwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
@@ -983,7 +984,7 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   return run_sliced(p, pr, fwd_run);
 }
 
-Status bwd(const PathBwdParams& p, const core::Problem& pr) {
+Status bwd_f32(const PathBwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_row_copies(p.do_, "do"));

@@ -145,15 +145,15 @@ GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic, int64_t ws_
   p.dk = vw(dk);
   p.dv = vw(dv);
   if (s.path) {
-    r.dw = HostTensor(DType::f32, {s.B, s.T, s.H, s.K});
-    r.dbeta = HostTensor(DType::f32, {s.B, s.T, s.H});
+    r.dw = HostTensor(gc.c->w.dtype(), {s.B, s.T, s.H, s.K});  // gradients in the dtype of their input
+    r.dbeta = HostTensor(gc.c->beta.dtype(), {s.B, s.T, s.H});
     dw = DevTensor(r.dw, false);
     dbeta = DevTensor(r.dbeta, false);
     p.dw = vw(dw);
     p.dbeta = vw(dbeta);
   }
   if (s.gate) {
-    r.dg = HostTensor(DType::f32, {s.B, s.T, s.HQ});
+    r.dg = HostTensor(gc.c->g.dtype(), {s.B, s.T, s.HQ});
     dg = DevTensor(r.dg, false);
     p.dg = vw(dg);
   }
