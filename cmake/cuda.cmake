@@ -33,6 +33,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/kernels/decode.cu
   src/cuda/bwd_run.cu
   src/cuda/planner.cu
+  src/cuda/param_dtypes.cu
 )
 add_library(pathattn_cuda OBJECT ${PATHATTN_CUDA_SOURCES})
 set_target_properties(pathattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)

@@ -23,11 +23,16 @@ namespace pathattn {
 //   q    [B, T, HQ, K]   bf16 | f16 | f32  (f64 on CPU backends)
 //   k    [B, T, H,  K]   dtype of q
 //   v    [B, T, H,  V]   dtype of q
-//   w    [B, T, H,  K]   f32 (f64 when q is f64)   optional together with beta (absent: plain attention)
-//   beta [B, T, H]       f32 (f64 when q is f64)
-//   g    [B, T, HQ]      f32 (f64 when q is f64)   optional: raw per-step log gate; the op does the cumsum
+//   w    [B, T, H,  K]   any float dtype (*)       optional together with beta (absent: plain attention)
+//   beta [B, T, H]       any float dtype (*)
+//   g    [B, T, HQ]      any float dtype (*)       optional: raw per-step log gate; the op does the cumsum
 //   o    [B, T, HQ, V]   dtype of v                output
 //   lse  [B, T, HQ]      f32 (f64 when q is f64)   output, optional in the forward
+// (*) w, beta and g each take bf16, f16 or f32 (f64 on CPU backends) whatever q's dtype (flash-linear-attention
+// passes them in the model's dtype or in fp32). Every backend computes with them in its compute type (fp32, or
+// fp64 for f64 q on CPU; the oracle always fp64), reading the narrow types directly (CPU) or converting them
+// once at entry (CUDA: an fp32 copy in workspace, none when they are f32). Their gradients come back in
+// their own dtype (dw in w's, dbeta in beta's, dg in g's).
 //   cu_seqlens [N + 1]   i32 | i64, host memory for CPU backends; optional. With it B must be 1 and the
 //                        N sequences [cu[n], cu[n+1]) are independent (products and cumsums restart).
 // HQ must be a multiple of H (GQA/MQA: query head h uses kv head h / (HQ / H)). K and V: CPU backends

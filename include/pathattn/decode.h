@@ -31,7 +31,7 @@ Status path_attn_prefill(const PathPrefillParams& p);
 
 // One decode step for all N sequences at once, token t+1 of each:
 //   q [N, 1, HQ, K], k [N, 1, H, K], v [N, 1, H, V] (one dtype), w [N, 1, H, K], beta [N, 1, H],
-//   g [N, 1, HQ] (iff the cache has a gate), o [N, 1, HQ, V] (dtype of v), lse [N, 1, HQ] optional.
+//   g [N, 1, HQ] (iff the cache has a gate; w, beta, g in any float dtype, as in the forward), o [N, 1, HQ, V] (dtype of v), lse [N, 1, HQ] optional.
 // For each sequence: kc_j <- kc_j - beta (w . kc_j) w for every cached j (in place); append k, v, G; then
 // o = softmax_j(scale q.kc_j + gate_scale (G_{t+1} - G_j)) v. Every slot must have room for one more
 // token (lengths[n] < C), else invalid_argument naming `cache.lengths`. lengths is incremented.

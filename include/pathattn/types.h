@@ -9,9 +9,9 @@
 
 namespace pathattn {
 
-// Element types. Float tensors of the op use f32/bf16/f16 as docs/spec.md, section 2 says; the CPU backends
-// additionally accept f64 everywhere (all float tensors f64 together), which is how the fp64 oracle chain
-// is tested. Integer types appear only in cu_seqlens (i32 or i64) and the decode cache lengths (i64).
+// Element types. Float tensors of the op use f32/bf16/f16 (docs/spec.md, section 2); the CPU backends additionally accept f64 (q, k, v
+// f64 together: how the fp64 oracle chain is tested). w, beta and g take any of these float types, each on
+// its own (attention.h). Integer types appear only in cu_seqlens (i32 or i64) and the decode cache lengths (i64).
 enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3, i32 = 4, i64 = 5 };
 
 enum class Device : int { cpu = 0, cuda = 1 };

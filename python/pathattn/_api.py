@@ -137,9 +137,12 @@ def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, us
     Args:
         q: [B, T, HQ, K] float (bf16 / fp16 / fp32 with torch; fp32 / fp16 / fp64 with numpy).
         k: [B, T, H, K], dtype of q.   v: [B, T, H, V], dtype of q.
-        w: [B, T, H, K] float32 (float64 when q is float64): Householder directions, used as given.
-        beta: [B, T, H] float32: H_t = I - beta_t w_t w_t^T.
-        g: optional [B, T, HQ] float32: the raw per-step log forget gate (the op takes the cumsum).
+        w: [B, T, H, K]: Householder directions, used as given.
+        beta: [B, T, H]: H_t = I - beta_t w_t w_t^T.
+        g: optional [B, T, HQ]: the raw per-step log forget gate (the op takes the cumsum).
+        w, beta and g each take any float dtype q may have (bf16 / fp16 / fp32; fp64 on the CPU backends),
+        independently of q and of each other: the model's dtype or fp32, as fla passes them. The op computes
+        in fp32 (fp64 for float64 q on the CPU) whatever their dtype; their gradients come back in it.
         scale: logit scale, default K ** -0.5. The gate is multiplied by it too (fla's convention).
         cu_seqlens: optional [N + 1] int32 / int64 cumulative sequence lengths (B must be 1).
         use_cache: also return k_cache [B, T, H, K] (dtype of k): every key transported to the end of
@@ -199,8 +202,8 @@ def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_
         deterministic: bitwise reproducible gradients on CUDA (CPU backends always are).
     Returns:
         PathGrads(dq, dk, dv, dw, dbeta, dg), a named tuple: dq [B,T,HQ,K], dk [B,T,H,K], dv [B,T,H,V] in
-        the dtype of q (accumulated in fp32 or better); dw [B,T,H,K], dbeta [B,T,H], dg [B,T,HQ] in
-        float32 (float64 for float64 inputs), dw / dbeta None when w / beta are None, dg None when g is.
+        the dtype of q (accumulated in fp32 or better); dw [B,T,H,K], dbeta [B,T,H], dg [B,T,HQ] in the
+        dtype of w, beta, g, dw / dbeta None when w / beta are None, dg None when g is.
         With GQA the kv-head gradients are summed over each group's query heads; dg is the gradient
         with respect to the raw g (not its cumsum).
     """

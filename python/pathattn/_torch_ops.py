@@ -86,8 +86,8 @@ def path_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Optional[Tenso
                   g: Optional[Tensor], cu_seqlens: Optional[Tensor], o: Tensor, lse: Tensor, scale: float,
                   gate_scale: float, backend: int,
                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """PaTH attention backward: dq, dk, dv (dtype of q), dw, dbeta, dg (float32; empty when w / beta / g
-    are None)."""
+    """PaTH attention backward: dq, dk, dv (dtype of q), dw, dbeta, dg (dtype of w, beta, g; empty float32
+    (float64 for float64 q) when w / beta / g are None)."""
     do, q, k, v, w, beta, g, o, lse = (_arg(x) for x in (do, q, k, v, w, beta, g, o, lse))
     fdt = _float_dtype(q)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -104,8 +104,9 @@ def prefill(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, *, gate_scale
 def decode_step(cache, q, k, v, w, beta, g=None, *, return_lse=False):
     """One token for every sequence of the cache: returns o [N, 1, HQ, V] (and lse [N, 1, HQ]).
 
-    q [N, 1, HQ, K], k [N, 1, H, K], v [N, 1, H, V] (one dtype), w [N, 1, H, K] and beta [N, 1, H] float32,
-    g [N, 1, HQ] float32 exactly when the cache was prefilled with a gate. Every cached key is first
+    q [N, 1, HQ, K], k [N, 1, H, K], v [N, 1, H, V] (one dtype), w [N, 1, H, K] and beta [N, 1, H],
+    g [N, 1, HQ] exactly when the cache was prefilled with a gate (w, beta, g: any float dtype, as in the
+    forward). Every cached key is first
     transported by the new token's Householder step, then k, v, G are appended, then the token attends
     to the whole cache: o = softmax_j(scale q . kc_j + gate_scale (G_new - G_j)) v_j.
     """

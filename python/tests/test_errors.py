@@ -45,11 +45,21 @@ def test_gqa_head_count(x):
     expect(ValueError, r"^q: the number of query heads", x)
 
 
-@pytest.mark.parametrize("name,dtype", [("w", np.float16), ("beta", np.float64), ("g", np.float16),
+# w, beta and g take any float dtype (test_param_dtypes.py); integer ones, and k / v unlike q, are refused.
+@pytest.mark.parametrize("name,dtype", [("w", np.int32), ("beta", np.int64), ("g", np.int32),
                                         ("k", np.float64), ("v", np.float16)])
 def test_dtype_errors_are_type_errors(x, name, dtype):
     x[name] = x[name].astype(dtype)
     expect(TypeError, rf"^{name}: expected dtype", x)
+
+
+@pytest.mark.parametrize("name,dtype", [("w", np.float16), ("beta", np.float64), ("g", np.float16)])
+def test_float_params_in_any_dtype_are_accepted(x, name, dtype):
+    o_ref, _ = run(x)
+    o, _ = run(dict(x, **{name: x[name].astype(dtype).astype(np.float32)}))
+    o2, _ = run(dict(x, **{name: x[name].astype(dtype)}))
+    np.testing.assert_array_equal(o2, o)  # the same values, read exactly
+    assert np.abs(o2 - o_ref).max() < 1e-2
 
 
 def test_unsupported_dtypes(x):

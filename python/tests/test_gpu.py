@@ -192,3 +192,95 @@ def test_fla_layer_state_dict_loads_and_matches():
         e = rl2(ours(x)[0], ref(x)[0])
         print(f"[fla layer] {cfg or 'default'}: o rel L2 {e:.2e}")
         assert e <= 5e-3
+
+
+# flash-linear-attention's PaTH op cases on the GPU with w and beta in the model's dtype (bf16; fp16 varlen)
+# and an fp32 g: every output and gradient within its tolerances of the fp32 cpu backend on the same values,
+# gradients in the dtype of their input (test_param_dtypes.py runs the same cases on the CPU).
+from test_param_dtypes import FIXED, TOL_FIXED, VARLEN, err_ratio  # noqa: E402
+
+
+def gpu_case(dtype, B, T, H, HQ, K, gate, beta_fn, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    return {
+        "q": torch.randn(B, T, HQ, K, device=dev, generator=gen).to(dtype),
+        "k": torch.randn(B, T, H, K, device=dev, generator=gen).to(dtype),
+        "v": torch.randn(B, T, H, K, device=dev, generator=gen).to(dtype),
+        "w": torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(dtype),
+        "beta": beta_fn((B, T, H), gen).to(dtype),
+        "g": torch.log(0.95 + 0.05 * torch.rand(B, T, HQ, device=dev, generator=gen)) if gate else None,
+    }
+
+
+def check_gpu_against_cpu_fp32(x, do, tol, **kw):
+    def grads(xx, d, **k2):
+        xs = {n: (None if t is None else t.detach().clone().requires_grad_(True)) for n, t in xx.items()}
+        o, _ = pathattn.parallel_path_attention(xs["q"], xs["k"], xs["v"], xs["w"], xs["beta"], xs["g"], **k2)
+        o.backward(d)
+        return o, {n: t.grad for n, t in xs.items() if t is not None}
+
+    o, g = grads(x, do, **kw)
+    kw_cpu = {n: (v.cpu() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+    o_ref, g_ref = grads({n: (None if t is None else t.float().cpu()) for n, t in x.items()}, do.float().cpu(),
+                         backend="cpu", **kw_cpu)
+    errs = {"o": err_ratio(o_ref, o.cpu())}
+    for n, gr in g.items():
+        assert gr.dtype == x[n].dtype and gr.device.type == "cuda", n
+        errs[n] = err_ratio(g_ref[n], gr.cpu())
+    print("[fla op cases, cuda] " + " ".join(f"{'d' + n if n != 'o' else n} {e:.2e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e < tol[n], f"{n}: error ratio {e:.3e} >= {tol[n]}"
+
+
+@pytest.mark.parametrize("B,T,H,HQ,K,gate", FIXED)
+def test_fla_op_cases_bf16_params(B, T, H, HQ, K, gate):
+    x = gpu_case(torch.bfloat16, B, T, H, HQ, K, gate,
+                 lambda s, gen: 1.5 + 0.5 * torch.rand(s, device="cuda", generator=gen), B * 1000 + T)
+    do = torch.rand(B, T, HQ, K, device="cuda").to(torch.bfloat16)
+    check_gpu_against_cpu_fp32(x, do, TOL_FIXED, scale=K ** -0.5)
+
+
+@pytest.mark.parametrize("H,HQ,K,gate,cu", VARLEN)
+def test_fla_op_varlen_cases_fp16_params(H, HQ, K, gate, cu):
+    x = gpu_case(torch.float16, 1, cu[-1], H, HQ, K, gate,
+                 lambda s, gen: torch.rand(s, device="cuda", generator=gen).sigmoid(), cu[-1] + K)
+    do = torch.randn(1, cu[-1], HQ, K, device="cuda").to(torch.float16)
+    check_gpu_against_cpu_fp32(x, do, dict.fromkeys(TOL_FIXED, 0.005), scale=K ** -0.5,
+                               cu_seqlens=torch.tensor(cu, dtype=torch.int32, device="cuda"))
+
+
+def test_fla_layer_with_our_op_patched_in(monkeypatch):
+    """fla's own PaTHAttention layer with its parallel_path_attn(ention) replaced by ours: the layer's output and
+    every gradient (input and parameters) against the same layer on fla's kernel, same weights and input."""
+    pytest.importorskip("fla.layers")
+    import sys
+
+    from fla.layers import PaTHAttention as FlaPaTH
+
+    torch.manual_seed(0)
+    for cfg in (dict(), dict(use_forget_gate=True, num_kv_heads=2, use_low_rank_w=False)):
+        layer = FlaPaTH(hidden_size=1024, num_heads=8, **cfg).cuda().to(torch.bfloat16)
+        x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y = layer(xi)[0]
+            y.backward(dy)
+            return y.detach(), [xi.grad] + [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+
+        y_ref, g_ref = run()
+        mod = sys.modules[FlaPaTH.__module__]
+        with monkeypatch.context() as m:
+            patched = [n for n in ("parallel_path_attn", "parallel_path_attention") if hasattr(mod, n)]
+            assert patched, "fla's layer module calls no parallel_path_attn(ention) this test knows"
+            for n in patched:
+                m.setattr(mod, n, pathattn.parallel_path_attention)
+            y, g = run()
+        eo = rl2(y, y_ref)
+        eg = max(rl2(a, b) for a, b in zip(g, g_ref))
+        print(f"[fla layer, our op patched in] {cfg or 'default'}: o {eo:.2e}, worst gradient {eg:.2e}")
+        assert eo <= 5e-3
+        assert eg <= 2e-2

@@ -238,5 +238,17 @@ def test_mixed_numpy_and_torch_is_a_type_error(rng):
         run(dict(xt, k=x["k"]))
     with pytest.raises(TypeError, match=r"^cu_seqlens: expected a torch.Tensor"):
         run(dict(xt), cu_seqlens="x")
-    with pytest.raises(TypeError, match=r"^w: expected dtype float32, got bfloat16"):
-        run(dict(xt, w=xt["w"].bfloat16()), backend="oracle")
+    with pytest.raises(TypeError, match=r"^w: expected dtype bfloat16, float16, float32 or float64, got int32"):
+        run(dict(xt, w=xt["w"].to(torch.int32)), backend="oracle")
+
+
+def test_bf16_w_is_accepted_and_its_gradient_is_bf16(rng):
+    # flash-linear-attention may pass w and beta in the model's dtype: same values, same results.
+    x = make_inputs(rng, 1, 8, 2, 2, 8, 8, gate=True)
+    xt = to_torch(x)
+    xb = dict(xt, w=xt["w"].bfloat16().requires_grad_(), beta=xt["beta"].bfloat16().requires_grad_())
+    o, _ = run(xb, backend="oracle")
+    o_ref, _ = run(dict(xt, w=xb["w"].detach().float(), beta=xb["beta"].detach().float()), backend="oracle")
+    assert torch.equal(o, o_ref)
+    o.sum().backward()
+    assert xb["w"].grad.dtype == torch.bfloat16 and xb["beta"].grad.dtype == torch.bfloat16

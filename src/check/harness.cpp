@@ -203,22 +203,21 @@ HostTensor random_dout(const Case& c, uint64_t seed) {
 BwdOut run_bwd(const Case& c, const FwdOut& f, const HostTensor& dout, Backend backend, int num_threads,
                int chunk_size) {
   const CaseSpec& s = c.spec;
-  const DType fdt = s.dtype == DType::f64 ? DType::f64 : DType::f32;
   BwdOut b;
   b.dq = HostTensor(s.dtype, {s.B, s.T, s.HQ, s.K});
   b.dk = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
   b.dv = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
   PathBwdParams p = bwd_params_for(c.fwd_params(f.o, &f.lse));
   if (s.path) {
-    b.dw = HostTensor(fdt, {s.B, s.T, s.H, s.K});
-    b.dbeta = HostTensor(fdt, {s.B, s.T, s.H});
+    b.dw = HostTensor(c.w.dtype(), {s.B, s.T, s.H, s.K});  // gradients in the dtype of their input
+    b.dbeta = HostTensor(c.beta.dtype(), {s.B, s.T, s.H});
     b.dw.poison();
     b.dbeta.poison();
     p.dw = b.dw.view();
     p.dbeta = b.dbeta.view();
   }
   if (s.gate) {
-    b.dg = HostTensor(fdt, {s.B, s.T, s.HQ});
+    b.dg = HostTensor(c.g.dtype(), {s.B, s.T, s.HQ});
     b.dg.poison();
     p.dg = b.dg.view();
   }

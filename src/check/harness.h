@@ -78,7 +78,7 @@ struct BwdOut {
 
 // Runs the forward on `backend` into fresh poisoned outputs (dtype of v for o; f64/f32 for lse).
 FwdOut run_fwd(const Case& c, Backend backend, int num_threads = 0, int chunk_size = 0);
-// Runs the backward given the forward outputs and an output gradient.
+// Runs the backward given the forward outputs and an output gradient; dw, dbeta, dg in the dtypes of w, beta, g.
 BwdOut run_bwd(const Case& c, const FwdOut& f, const HostTensor& dout, Backend backend, int num_threads = 0,
                int chunk_size = 0);
 // A random output gradient [B, T, HQ, V] in the dtype of v.

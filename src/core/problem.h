@@ -28,7 +28,7 @@ struct Problem {
   int64_t group = 1;  // HQ / H
   bool path = false;  // w and beta present (PaTH); false: plain causal softmax attention
   bool gate = false;  // g present (FoX / PaTH-FoX)
-  bool f64 = false;   // every float tensor is f64 (CPU backends only)
+  bool f64 = false;   // q, k, v are f64: compute, lse and the cache in fp64 (CPU backends only)
   double scale = 0, gate_scale = 0;
   Backend backend = Backend::cpu;  // resolved: never automatic
   std::vector<Seq> seqs;           // non-empty work items (empty varlen sequences are dropped)

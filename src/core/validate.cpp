@@ -67,6 +67,13 @@ constexpr int kMaxThreads = 1024;
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::bf16 || d == DType::f16; }
 
+// w, beta and g may each have any float dtype, independently of q and of each other (the backends read them
+// into their compute type); their gradients come back in the same dtype.
+Status param_dtype_check(const char* name, const TensorView& x) {
+  if (is_float(x.dtype)) return Status::Ok();
+  return bad(std::string(name) + ": expected dtype bfloat16, float16, float32 or float64, got " + dtype_name(x.dtype));
+}
+
 }  // namespace
 
 std::string shape_str(const TensorView& x) {
@@ -181,22 +188,21 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
   }
   pr->group = pr->HQ / pr->H;
   pr->f64 = q.dtype == DType::f64;
-  const DType fdt = pr->f64 ? DType::f64 : DType::f32;
 
   if (w.present() != beta.present()) return bad(std::string(w.present() ? "beta" : "w") + ": w and beta must be given together (both absent means plain attention)");
   pr->path = w.present();
   if (pr->path) {
     PA_TRY(tensor_check("w", w, 4, ks, "[B, T, H, K]"));
-    PA_TRY(dtype_check("w", w, fdt));
+    PA_TRY(param_dtype_check("w", w));
     int64_t bs[3] = {pr->B, pr->T, pr->H};
     PA_TRY(tensor_check("beta", beta, 3, bs, "[B, T, H]"));
-    PA_TRY(dtype_check("beta", beta, fdt));
+    PA_TRY(param_dtype_check("beta", beta));
   }
   pr->gate = g.present();
   if (pr->gate) {
     int64_t gs[3] = {pr->B, pr->T, pr->HQ};
     PA_TRY(tensor_check("g", g, 3, gs, "[B, T, HQ]"));
-    PA_TRY(dtype_check("g", g, fdt));
+    PA_TRY(param_dtype_check("g", g));
   }
 
   // Backend and devices.
@@ -214,6 +220,13 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
     }
   }
   if (be == Backend::cuda && pr->f64) return bad("q: float64 inputs are supported by the oracle and cpu backends only");
+  if (be == Backend::cuda) {
+    for (int i = 3; i < 6; ++i) {
+      if (all[i]->present() && all[i]->dtype == DType::f64) {
+        return bad(std::string(names[i]) + ": expected dtype bfloat16, float16 or float32 on the cuda backend, got float64 (float64 is for the oracle and cpu backends)");
+      }
+    }
+  }
   if (be != Backend::cuda) {
     if (pr->K % 8 != 0 || pr->K < 8 || pr->K > 256) {
       return Status(Status::Code::unsupported, "q: head dim K = " + std::to_string(pr->K) + " is not supported: expected a multiple of 8 in [8, 256]");
@@ -304,13 +317,13 @@ Status check_bwd(const PathBwdParams& p, Problem* pr) {
   PA_TRY(check_output("dk", p.dk, 4, ks, "[B, T, H, K]", p.q.dtype, dev));
   PA_TRY(check_output("dv", p.dv, 4, vs, "[B, T, H, V]", p.q.dtype, dev));
   if (pr->path) {
-    PA_TRY(check_output("dw", p.dw, 4, ks, "[B, T, H, K]", fdt, dev));
-    PA_TRY(check_output("dbeta", p.dbeta, 3, bs, "[B, T, H]", fdt, dev));
+    PA_TRY(check_output("dw", p.dw, 4, ks, "[B, T, H, K]", p.w.dtype, dev));
+    PA_TRY(check_output("dbeta", p.dbeta, 3, bs, "[B, T, H]", p.beta.dtype, dev));
   } else if (p.dw.present() || p.dbeta.present()) {
     return bad(std::string(p.dw.present() ? "dw" : "dbeta") + ": given, but w and beta are absent (plain attention has no such gradient)");
   }
   if (pr->gate) {
-    PA_TRY(check_output("dg", p.dg, 3, ls, "[B, T, HQ]", fdt, dev));
+    PA_TRY(check_output("dg", p.dg, 3, ls, "[B, T, HQ]", p.g.dtype, dev));
   } else if (p.dg.present()) {
     return bad("dg: given, but g is absent");
   }

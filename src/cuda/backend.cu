@@ -151,7 +151,8 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
 
 const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
-Status fwd(const PathFwdParams& p, const core::Problem& pr) {
+// Entry points with fp32 w, beta, g (and dw, dbeta, dg); param_dtypes.cu converts other dtypes.
+Status fwd_f32(const PathFwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
@@ -160,7 +161,7 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   return run_sliced(p, pr, fwd_run);
 }
 
-Status bwd(const PathBwdParams& p, const core::Problem& pr) {
+Status bwd_f32(const PathBwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_row_copies(p.do_, "do"));

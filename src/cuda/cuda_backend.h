@@ -1,14 +1,19 @@
 // cuda/cuda_backend.h: entry points of the CUDA backend, called by the dispatcher (api/dispatch.cpp) after
-// validation. Supported here: q/k/v in bfloat16 or float16 (fp32 w, beta, g), K and V in {64, 128},
-// causal, GQA, varlen, gate; anything else returns Status::Code::unsupported naming the argument.
+// validation. Supported here: q/k/v in bfloat16 or float16, w, beta, g in bfloat16, float16 or float32, K and
+// V in {64, 128}, causal, GQA, varlen, gate; anything else returns Status::Code::unsupported naming the argument.
 #pragma once
 
 #include "core/problem.h"
 
 namespace pathattn::cuda {
 
+// fwd, bwd, prefill and decode (param_dtypes.cu) take w, beta, g (and dw, dbeta, dg) in any of those dtypes:
+// 16-bit ones are converted to fp32 copies at entry (gradients back at exit), then the *_f32 entry points
+// below run, which read and write them in fp32 only.
 Status fwd(const PathFwdParams& p, const core::Problem& pr);
 Status bwd(const PathBwdParams& p, const core::Problem& pr);
+Status fwd_f32(const PathFwdParams& p, const core::Problem& pr);  // backend.cu
+Status bwd_f32(const PathBwdParams& p, const core::Problem& pr);
 
 // Prefill and decode on a device cache (kernels/decode.cu), called by the entries in api/decode.cpp after
 // their validation. Same dtypes and head dims as the forward.
@@ -17,6 +22,8 @@ Status bwd(const PathBwdParams& p, const core::Problem& pr);
 // decode: lengths[n] is slot n's length before the step (host copy); the caller increments lengths.
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots);
 Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
+Status prefill_f32(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots);
+Status decode_f32(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
 
 // The head dims this build compiles, for messages and build_info(): "{64, 128}".
 const char* supported_head_dims();

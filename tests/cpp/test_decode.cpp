@@ -628,7 +628,7 @@ TEST_F(DecodeBadInput, EachArgumentNamed) {
   p.w = TensorView();
   expect_rejected(p, cache, out, "w");
   p = base();
-  p.beta.dtype = DType::f32;
+  p.beta.dtype = DType::i32;  // any float dtype is legal for beta (test_param_dtypes.cpp); an integer one is not
   expect_rejected(p, cache, out, "beta:");
   p = base();  // two tokens per sequence
   p.q = slice_t(sc.dec.q.view(), 0, 2); p.k = slice_t(sc.dec.k.view(), 0, 2); p.v = slice_t(sc.dec.v.view(), 0, 2);

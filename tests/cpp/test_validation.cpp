@@ -213,16 +213,16 @@ std::vector<Mutation<P>> view_mutations(const std::vector<Field<P>>& fields) {
 std::vector<Field<PathFwdParams>> fwd_fields() {
   using P = PathFwdParams;
   return {{"q", &P::q, 4, DType::i32, "q"},       {"k", &P::k, 4, DType::f16, "k"},
-          {"v", &P::v, 4, DType::bf16, "v"},      {"w", &P::w, 4, DType::f16, "w"},
-          {"beta", &P::beta, 3, DType::i32, "beta"}, {"g", &P::g, 3, DType::f64, "g"},
+          {"v", &P::v, 4, DType::bf16, "v"},      {"w", &P::w, 4, DType::i32, "w"},
+          {"beta", &P::beta, 3, DType::i32, "beta"}, {"g", &P::g, 3, DType::i64, "g"},
           {"o", &P::o, 4, DType::f16, "o"},       {"lse", &P::lse, 3, DType::f64, "lse"}};
 }
 
 std::vector<Field<PathBwdParams>> bwd_fields() {
   using P = PathBwdParams;
   return {{"q", &P::q, 4, DType::i32, "q"},         {"k", &P::k, 4, DType::f16, "k"},
-          {"v", &P::v, 4, DType::bf16, "v"},        {"w", &P::w, 4, DType::f16, "w"},
-          {"beta", &P::beta, 3, DType::i32, "beta"}, {"g", &P::g, 3, DType::f64, "g"},
+          {"v", &P::v, 4, DType::bf16, "v"},        {"w", &P::w, 4, DType::i64, "w"},
+          {"beta", &P::beta, 3, DType::i32, "beta"}, {"g", &P::g, 3, DType::i32, "g"},
           {"o", &P::o, 4, DType::f16, "o"},         {"lse", &P::lse, 3, DType::f64, "lse"},
           {"do", &P::do_, 4, DType::bf16, "do"},    {"dq", &P::dq, 4, DType::f16, "dq"},
           {"dk", &P::dk, 4, DType::f64, "dk"},      {"dv", &P::dv, 4, DType::i32, "dv"},
@@ -306,15 +306,16 @@ TEST_P(Validation, BwdRejectsGradientsOfAbsentInputs) {
                         });
 }
 
-// Float tensors must agree: all f64 together; bf16 / f16 / f32 inputs with f32 w, beta, g, lse.
+// q, k, v (and o, do, dq, dk, dv) share one dtype and lse is f32 (f64 with f64 q); w, beta and g take any
+// float dtype each (test_param_dtypes.cpp runs those), never an integer one, and their gradients their own.
 TEST_P(Validation, DtypeCombinations) {
   using P = PathFwdParams;
   {
     const FwdCall call(base_spec(DType::f64), GetParam());
     expect_rejected(call, std::vector<Mutation<P>>{
-                              {"f64 q, f32 w", [](P& p) { p.w.dtype = DType::f32; }, "w"},
-                              {"f64 q, f32 beta", [](P& p) { p.beta.dtype = DType::f32; }, "beta"},
-                              {"f64 q, f32 g", [](P& p) { p.g.dtype = DType::f32; }, "g"},
+                              {"f64 q, i32 w", [](P& p) { p.w.dtype = DType::i32; }, "w"},
+                              {"f64 q, i64 beta", [](P& p) { p.beta.dtype = DType::i64; }, "beta"},
+                              {"f64 q, i32 g", [](P& p) { p.g.dtype = DType::i32; }, "g"},
                               {"f64 q, f32 lse", [](P& p) { p.lse.dtype = DType::f32; }, "lse"},
                               {"f64 q, i64 o", [](P& p) { p.o.dtype = DType::i64; }, "o"},
                           });
@@ -324,8 +325,8 @@ TEST_P(Validation, DtypeCombinations) {
     const FwdCall call(base_spec(dt), GetParam());
     const DType other = dt == DType::bf16 ? DType::f16 : DType::bf16;
     expect_rejected(call, std::vector<Mutation<P>>{
-                              {"half q, f64 w", [](P& p) { p.w.dtype = DType::f64; }, "w"},
-                              {"half q, other half w", [other](P& p) { p.w.dtype = other; }, "w"},
+                              {"half q, i64 w", [](P& p) { p.w.dtype = DType::i64; }, "w"},
+                              {"half q, i32 beta", [](P& p) { p.beta.dtype = DType::i32; }, "beta"},
                               {"half q, other half lse", [other](P& p) { p.lse.dtype = other; }, "lse"},
                               {"half q, f32 o", [](P& p) { p.o.dtype = DType::f32; }, "o"},
                               {"half q, other half v", [other](P& p) { p.v.dtype = other; }, "v"},

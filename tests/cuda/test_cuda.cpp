@@ -146,15 +146,15 @@ GpuRun run_gpu(const GpuCase& gc, bool backward, bool deterministic, int64_t ws_
   p.dk = vw(dk);
   p.dv = vw(dv);
   if (s.path) {
-    r.dw = HostTensor(DType::f32, {s.B, s.T, s.H, s.K});
-    r.dbeta = HostTensor(DType::f32, {s.B, s.T, s.H});
+    r.dw = HostTensor(gc.c->w.dtype(), {s.B, s.T, s.H, s.K});  // gradients in the dtype of their input
+    r.dbeta = HostTensor(gc.c->beta.dtype(), {s.B, s.T, s.H});
     dw = DevTensor(r.dw, false);
     dbeta = DevTensor(r.dbeta, false);
     p.dw = vw(dw);
     p.dbeta = vw(dbeta);
   }
   if (s.gate) {
-    r.dg = HostTensor(DType::f32, {s.B, s.T, s.HQ});
+    r.dg = HostTensor(gc.c->g.dtype(), {s.B, s.T, s.HQ});
     dg = DevTensor(r.dg, false);
     p.dg = vw(dg);
   }
@@ -1075,6 +1075,156 @@ TEST(CudaDecode, VarlenPrefillThenDecodeMatchesCpu) {
   EXPECT_EQ(ev, 0.0);
   EXPECT_LE(eg, 1e-12);
   std::printf("[varlen decode] o vs cpu %.2e, kc %.2e, vc %.2e, gc %.2e\n", eo, ek, ev, eg);
+}
+
+// ---- w, beta, g in bf16 / fp16 (param_dtypes.cu: fp32 copies at entry, dw / dbeta / dg converted back at exit).
+
+// c with w, beta, g stored in the given dtypes (values rounded to them).
+Case with_param_dtypes(const Case& c, DType w, DType beta, DType g) {
+  Case r = c;
+  if (c.w.present()) r.w = c.w.cast(w);
+  if (c.beta.present()) r.beta = c.beta.cast(beta);
+  if (c.g.present()) r.g = c.g.cast(g);
+  return r;
+}
+
+// Outputs and deterministic gradients with 16-bit w, beta, g equal, bit for bit, those of the same values given
+// in fp32, and dw / dbeta / dg come back in the dtype of their input: that fp32 run's gradients rounded.
+// flash-linear-attention's conventions: bf16 q, k, v, w, beta with beta in (1.5, 2) and an fp32 g; fp16 varlen.
+TEST(CudaBackend, NarrowParamsEqualFp32Params) {
+  REQUIRE_GPU();
+  struct Item {
+    CaseSpec s;
+    DType w, beta, g;
+  };
+  CaseSpec var = mk(0, 4, 2, 128, 128, true, BetaMode::uniform02, DType::f16, 95);
+  var.seqlens = {15, 318, 1715};
+  CaseSpec mha = mk(300, 2, 2, 64, 64, true, BetaMode::two, DType::bf16, 96);
+  const std::vector<Item> items = {
+      {mk(512, 8, 2, 128, 128, true, BetaMode::near2, DType::bf16, 91), DType::bf16, DType::bf16, DType::f32},
+      {mk(1300, 4, 1, 64, 64, true, BetaMode::uniform02, DType::bf16, 92), DType::bf16, DType::bf16, DType::bf16},
+      {mk(700, 4, 2, 64, 128, false, BetaMode::uniform02, DType::f16, 93), DType::f16, DType::f16, DType::f32},
+      {var, DType::f16, DType::f16, DType::f16},
+      {mha, DType::f32, DType::bf16, DType::f16},  // mixed: only beta and g converted
+  };
+  for (const Item& it : items) {
+    const Case narrow = with_param_dtypes(Case::make(it.s), it.w, it.beta, it.g);
+    const Case wide = with_param_dtypes(narrow, DType::f32, DType::f32, DType::f32);
+    const std::string name = it.s.name() + " w " + dtype_name(it.w) + " beta " + dtype_name(it.beta) + " g " +
+                             dtype_name(it.g);
+    HostTensor dout = random_dout(narrow, it.s.seed + 5);
+    GpuCase gn(narrow, &dout), gw(wide, &dout);
+    GpuRun rn = run_gpu(gn, true, true), rw = run_gpu(gw, true, true);
+    ASSERT_TRUE(rn.fs.ok() && rn.bs.ok()) << rn.fs.message() << rn.bs.message() << " " << name;
+    ASSERT_TRUE(rw.fs.ok() && rw.bs.ok()) << rw.fs.message() << rw.bs.message() << " " << name;
+    ASSERT_TRUE(all_finite(rw.o.to_f64()) && all_finite(rw.dw.to_f64())) << name;
+    EXPECT_TRUE(same_bits(rn.o, rw.o) && same_bits(rn.lse, rw.lse)) << "forward " << name;
+    EXPECT_TRUE(same_bits(rn.dq, rw.dq) && same_bits(rn.dk, rw.dk) && same_bits(rn.dv, rw.dv)) << "dq dk dv " << name;
+    EXPECT_EQ(rn.dw.dtype(), it.w) << name;
+    EXPECT_EQ(rn.dbeta.dtype(), it.beta) << name;
+    EXPECT_TRUE(same_bits(rn.dw, rw.dw.cast(it.w))) << "dw " << name;
+    EXPECT_TRUE(same_bits(rn.dbeta, rw.dbeta.cast(it.beta))) << "dbeta " << name;
+    if (it.s.gate) {
+      EXPECT_EQ(rn.dg.dtype(), it.g) << name;
+      EXPECT_TRUE(same_bits(rn.dg, rw.dg.cast(it.g))) << "dg " << name;
+    }
+    std::printf("[narrow] %-70s bitwise equal to fp32 w/beta/g: o %d dq %d dw %d dbeta %d dg %d\n", name.c_str(),
+                int(same_bits(rn.o, rw.o)), int(same_bits(rn.dq, rw.dq)), int(same_bits(rn.dw, rw.dw.cast(it.w))),
+                int(same_bits(rn.dbeta, rw.dbeta.cast(it.beta))),
+                int(!it.s.gate || same_bits(rn.dg, rw.dg.cast(it.g))));
+  }
+}
+
+// Strided 16-bit w and beta (views into wider buffers) convert like dense ones; fp64 w is refused on cuda,
+// naming w.
+TEST(CudaBackend, NarrowParamsStridedAndRefused) {
+  REQUIRE_GPU();
+  const CaseSpec s = mk(200, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 97);
+  const Case narrow = with_param_dtypes(Case::make(s), DType::bf16, DType::bf16, DType::bf16);
+  const Case wide = with_param_dtypes(narrow, DType::f32, DType::f32, DType::f32);
+  // w in a [B, T, H, 2K] buffer (first half), beta in a [B, 2T, H] one (even tokens): strided views.
+  HostTensor wbuf(DType::bf16, {s.B, s.T, s.H, 2 * s.K}), bbuf(DType::bf16, {s.B, 2 * s.T, s.H});
+  for (int64_t r = 0; r < s.B * s.T * s.H; ++r) {
+    for (int64_t e = 0; e < s.K; ++e) {
+      wbuf.set(r * 2 * s.K + e, narrow.w.get(r * s.K + e));
+      wbuf.set(r * 2 * s.K + s.K + e, 1e4);  // must not be read
+    }
+  }
+  for (int64_t bt = 0; bt < s.B * s.T; ++bt)
+    for (int64_t h = 0; h < s.H; ++h) {
+      bbuf.set((2 * bt) * s.H + h, narrow.beta.get(bt * s.H + h));
+      bbuf.set((2 * bt + 1) * s.H + h, 1e4);
+    }
+  DevTensor dwbuf(wbuf), dbbuf(bbuf);
+  GpuCase gn(narrow), gw(wide);
+  HostTensor oh(s.dtype, {s.B, s.T, s.HQ, s.V}), lh(DType::f32, {s.B, s.T, s.HQ});
+  DevTensor on(oh, false), ln(lh, false), ow(oh, false), lw(lh, false);
+  PathFwdParams fn = gn.fwd_params(on, ln), fw = gw.fwd_params(ow, lw);
+  fn.w = vw(dwbuf);
+  fn.w.ndim = 4;
+  fn.w.shape[3] = s.K;  // strides stay those of the [.., 2K] buffer
+  fn.beta = vw(dbbuf);
+  fn.beta.shape[1] = s.T;  // every other token: strides stay those of the [B, 2T, H] buffer
+  ASSERT_TRUE(path_attn_fwd(fn).ok());
+  ASSERT_TRUE(path_attn_fwd(fw).ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  HostTensor got = oh.clone(), ref = oh.clone();
+  on.to_host(got);
+  ow.to_host(ref);
+  EXPECT_TRUE(all_finite(got.to_f64()));
+  EXPECT_TRUE(same_bits(got, ref)) << "strided bf16 w / beta";
+  // fp64 w on the cuda backend: invalid_argument naming w (fp64 is for the CPU backends).
+  PathFwdParams f64w = gw.fwd_params(ow, lw);
+  f64w.w.dtype = DType::f64;
+  const Status st = path_attn_fwd(f64w);
+  EXPECT_EQ(st.code(), Status::Code::invalid_argument) << st.message();
+  EXPECT_EQ(st.message().rfind("w: expected dtype bfloat16, float16 or float32 on the cuda backend", 0), 0u)
+      << st.message();
+}
+
+// Prefill and decode steps with bf16 w, beta, g: the device cache, outputs and lengths equal those of the fp32
+// values.
+TEST(CudaDecode, NarrowParamsEqualFp32Params) {
+  REQUIRE_GPU();
+  const CaseSpec s = mk(260, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 98);
+  const Case narrow = with_param_dtypes(Case::make(s), DType::bf16, DType::bf16, DType::bf16);
+  const Case wide = with_param_dtypes(narrow, DType::f32, DType::f32, DType::f32);
+  const int64_t P = 250, N = s.B, C = s.T;
+  struct Out {
+    HostTensor o;
+    TestCache cache;
+  };
+  auto run = [&](const Case& c) {
+    Out r{HostTensor(s.dtype, {N, C, s.HQ, s.V}), TestCache(N, s.H, s.HQ, C, s.K, s.V, s.gate, true)};
+    GpuCase g(c);
+    DevTensor o(r.o, false), none;
+    PathPrefillParams pp;
+    pp.fwd = g.fwd_params(none, none);
+    for (TensorView* x : {&pp.fwd.q, &pp.fwd.k, &pp.fwd.v, &pp.fwd.w, &pp.fwd.beta, &pp.fwd.g}) *x = slice_t(*x, 0, P);
+    pp.fwd.o = slice_t(vw(o), 0, P);
+    pp.cache = r.cache.view();
+    Status st = path_attn_prefill(pp);
+    EXPECT_TRUE(st.ok()) << st.message();
+    for (int64_t t = P; t < C; ++t) {
+      PathDecodeParams d;
+      d.q = slice_t(vw(g.q), t, 1), d.k = slice_t(vw(g.k), t, 1), d.v = slice_t(vw(g.v), t, 1);
+      d.w = slice_t(vw(g.w), t, 1), d.beta = slice_t(vw(g.beta), t, 1), d.g = slice_t(vw(g.g), t, 1);
+      d.o = slice_t(vw(o), t, 1);
+      d.cache = r.cache.view();
+      d.backend = Backend::cuda;
+      st = path_attn_decode(d);
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
+    r.cache.to_host();
+    o.to_host(r.o);
+    return r;
+  };
+  Out n = run(narrow), w = run(wide);
+  EXPECT_TRUE(all_finite(w.o.to_f64()));
+  EXPECT_TRUE(same_bits(n.o, w.o)) << "prefill + decode outputs";
+  EXPECT_TRUE(same_bits(n.cache.kc, w.cache.kc) && same_bits(n.cache.vc, w.cache.vc) &&
+              same_bits(n.cache.gc, w.cache.gc)) << "caches";
+  for (int64_t i = 0; i < N; ++i) EXPECT_EQ(n.cache.len(i), C);
 }
 
 TEST(CudaDecode, BadInput) {

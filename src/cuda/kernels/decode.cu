@@ -351,9 +351,9 @@ __global__ void decode_merge_kernel(DecodeArgs a) {
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------
-// Host entry points (after api/decode.cpp's validation).
+// Host entry points (after api/decode.cpp's validation; fp32 w, beta, g: param_dtypes.cu converts others).
 
-Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots) {
+Status prefill_f32(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots) {
   PA_TRY(check_support(pr, p.fwd.q.dtype));
   int optin = 0;
   PA_CU(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin));
@@ -364,7 +364,7 @@ Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::v
   }
   const int64_t N = int64_t(slots.size());
   if (N * pr.H > int64_t(1) << 30) return unsupported("cache.kc: too many (slot, kv head) pairs for the cuda prefill");
-  if (!pr.seqs.empty()) PA_TRY(fwd(p.fwd, pr));  // o and lse
+  if (!pr.seqs.empty()) PA_TRY(fwd_f32(p.fwd, pr));  // o and lse
   if (N == 0) return Status::Ok();
 
   cudaStream_t s = static_cast<cudaStream_t>(p.fwd.stream);
@@ -423,7 +423,7 @@ Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::v
   return Status::Ok();
 }
 
-Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths) {
+Status decode_f32(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths) {
   PA_TRY(check_support(pr, p.q.dtype));
   const int64_t N = pr.B;
   if (N == 0) return Status::Ok();
