@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
   uint32_t uf[4][4];  // U^T (rows scaled by 1 / fuc) as the k~ product's A operand
   float fuc[2];
   {
-    WG_POS;
+    const int t4 = tid_v() & 3;
     float accU[8][4];
     fence_regs(zf);
     fence_regs(accU);
