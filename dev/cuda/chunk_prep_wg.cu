@@ -1,23 +1,24 @@
 // dev/cuda/chunk_prep_wg.cu: the forward chunk_prep (src/cuda/prep.cu: w16, w2h, kt, qtl, aloc, the same buffers)
-// rebuilt on Hopper wgmma, one warpgroup a (chunk, kv head) item and 3 (K = 128) or 4 (K = 64) items an SM,
-// warpgroup barriers only. Self-checking (an fp64 UT transform, and the library's kernel on every output),
-// self-timing against the library's kernel (NOTES.md, "What the 3x-cuDNN bar at T = 4k asks of the per-token work").
-// - Every product is a 16-bit wgmma with fp32 accumulation. tf32 wgmma reads its operands K-major only, so
-//   W2 = E diag(b) W would need W^T stored; in fp16 the row-major W tile serves as a K-major and an N-major operand.
-// - A = diag(b) W W^T and W2, which the library takes in split tf32, split in fp16: x = hi + 2^-12 lo (hi = fp16(x),
-//   lo = fp16((x - hi) 2^12)), three products, about 22 bits. The other products are plain, as the library's.
-// - Rows of K, Q, E diag(b) and of the chained results (Z^T, U^T, X) are scaled by powers of two into [-1, 1)
-//   before their fp16 rounding (tf32's 11 bits whatever their range); the factors are undone in fp32.
-// - Results that feed the next product stay in registers as its A operand: Z^T = K W^T -> U^T = Z^T (E diag(b))^T
-//   -> k~ = K - U^T W, and per query head X = Q W^T -> X U and X W2. B operands are 128-byte-swizzled 16-bit tiles
-//   (W, W's residual, k; then E diag(b) hi / lo, W2, U^T in the space of dead ones): 66 KB an item at K = 128.
-// - The 64 x 64 inverse is the library's scheme (16 x 16 diagonal blocks on CUDA cores, two doubling levels in
-//   split-tf32 mma.sync) done in place within the warpgroup.
-// Build (repository root; add -Xptxas -v for registers and spills):
+// on Hopper wgmma: one warpgroup a (chunk, kv head) item, 3 (K = 128) or 4 (K = 64) items an SM (a CTA each, or all
+// in one CTA), warpgroup barriers only. Checks itself against an fp64 UT transform and the library's kernel (every
+// output) and times both (NOTES.md, "What the 3x-cuDNN bar at T = 4k asks of the per-token work").
+// - Every product is a 16-bit wgmma with fp32 accumulation: tf32 wgmma reads operands K-major only (W2 = E diag(b) W
+//   would need W^T stored), while one row-major fp16 W tile serves as a K-major and as an N-major operand.
+// - A = diag(b) W W^T and W2 (split tf32 in the library) are split in fp16: x = hi + 2^-12 lo, lo = fp16((x - hi)
+//   2^12), about 22 bits; the cross terms first, then that accumulator scaled by 2^-12 and hi x hi added to it.
+//   The other products are plain, as the library's.
+// - k, q, E diag(b) and the chained results (Z^T, U^T, X) are fp16 with each row scaled by a power of two into
+//   [-1, 1) (tf32's 11 bits whatever the range; bf16 k and q exactly but for entries below 2^-17 of their row's
+//   largest); the factors are undone in the fp32 epilogues.
+// - A result that feeds the next product stays in registers as its A operand (Z^T = K W^T -> U^T = Z^T (E
+//   diag(b))^T -> k~ = K - U^T W; per query head X = Q W^T -> X U, X W2). B operands are 128-byte-swizzled tiles:
+//   W, W's residual, k; later E diag(b) hi / lo, W2, U^T over dead ones: 66 KB an item at K = 128.
+// - The 64 x 64 inverse is the library's (unit_lower_inverse: scheme and arithmetic), in place, in the warpgroup.
+// Build (repository root; -Xptxas -v: 167 / 126 registers at K = 128 / 64, no spills):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc -Idev/cuda \
 //        dev/cuda/chunk_prep_wg.cu src/cuda/prep.cu -o chunk_prep_wg
-// Run: ./chunk_prep_wg [--check-only] [--debug] [--runs N]  (small checks, then the bench shapes unless
-// --check-only; --debug also stages the intermediates A, E, Z^T, U^T, W2, X and compares each with fp64).
+// Run: ./chunk_prep_wg [--check-only] [--debug] [--runs N]: small shapes (every item against fp64), then the bench
+// shapes (sampled items; timing) unless --check-only; --debug compares wg1's A, E, Z^T, U^T, W2, X with fp64.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -113,6 +114,7 @@ __device__ __forceinline__ uint64_t ndesc(const void* tile, int kt) {
 
 // d (64 x 32) += A B, A this warp's fp16 fragment (as wg_rs), B (16 x 32 fp16) from the descriptor db, K-major.
 __device__ __forceinline__ void wg_rs32(float (&d)[4][4], const uint32_t (&a)[4], uint64_t db, int acc) {
+#ifdef PA_SM90A
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
@@ -121,6 +123,7 @@ __device__ __forceinline__ void wg_rs32(float (&d)[4][4], const uint32_t (&a)[4]
         "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
         "+f"(d[3][2]), "+f"(d[3][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+#endif
 }
 
 template <typename T>
@@ -139,7 +142,8 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 // 16-bit A fragments (type T; rows g: words 0, 2, rows g + 8: words 1, 3) as fp16 fragments with each row scaled by
 // a power of two into [-1, 1); up gets the factors back (rows g, g + 8).
 template <typename T, int KT>
-__device__ __forceinline__ void half_frags_scaled(uint32_t (&dst)[KT][4], const uint32_t (&src)[KT][4], float (&up)[2]) {
+__device__ __forceinline__ void half_frags_scaled(uint32_t (&dst)[KT][4], const uint32_t (&src)[KT][4],
+                                                  float (&up)[2]) {
   float mx[2] = {0.f, 0.f};
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt)
@@ -516,25 +520,25 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
   // W2 ([s][d], the q~ product's N-major B) over E diag(b); U^T ([c][t], the X U product's K-major B) over the
   // residual, with its row factors.
   {
-  WG_POS;
+    WG_POS;
 #pragma unroll
-  for (int j = 0; j < K / 64; ++j)
+    for (int j = 0; j < K / 64; ++j)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-        *reinterpret_cast<uint32_t*>(W2s + sw_at(rr[hr], 64 * j + 8 * nt + 2 * t4)) = w2p[j][nt][hr];
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<uint32_t*>(W2s + sw_at(rr[hr], 64 * j + 8 * nt + 2 * t4)) = w2p[j][nt][hr];
 #pragma unroll
-  for (int kt = 0; kt < 4; ++kt) {
-    *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[0], 16 * kt + 2 * t4)) = uf[kt][0];
-    *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[1], 16 * kt + 2 * t4)) = uf[kt][1];
-    *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[0], 16 * kt + 8 + 2 * t4)) = uf[kt][2];
-    *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[1], 16 * kt + 8 + 2 * t4)) = uf[kt][3];
-  }
-  if (t4 == 0) {
-    fu[rr[0]] = fuc[0];
-    fu[rr[1]] = fuc[1];
-  }
+    for (int kt = 0; kt < 4; ++kt) {
+      *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[0], 16 * kt + 2 * t4)) = uf[kt][0];
+      *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[1], 16 * kt + 2 * t4)) = uf[kt][1];
+      *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[0], 16 * kt + 8 + 2 * t4)) = uf[kt][2];
+      *reinterpret_cast<uint32_t*>(Uts + sw_at(rr[1], 16 * kt + 8 + 2 * t4)) = uf[kt][3];
+    }
+    if (t4 == 0) {
+      fu[rr[0]] = fuc[0];
+      fu[rr[1]] = fuc[1];
+    }
   }
   fence_async_smem();
   wg_bar(bar);
@@ -655,8 +659,9 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
           const int r = rr[hr], d = 8 * nt + 2 * t4;
           const float2 q = unpack2<__half>(qh[nt / 2][(nt & 1) * 2 + hr]);
           if (r < nq)
-            *reinterpret_cast<uint32_t*>(p.qtl + ((item_pos(p, item).tok0 + r) * p.HQ + hq) * K + d) = Pack2<__half>::pack(
-                fq[hr] * q.x - fx[hr] * accQ[nt][2 * hr], fq[hr] * q.y - fx[hr] * accQ[nt][2 * hr + 1]);
+            *reinterpret_cast<uint32_t*>(p.qtl + ((item_pos(p, item).tok0 + r) * p.HQ + hq) * K + d) =
+                Pack2<__half>::pack(fq[hr] * q.x - fx[hr] * accQ[nt][2 * hr],
+                                    fq[hr] * q.y - fx[hr] * accQ[nt][2 * hr + 1]);
         }
     }
   }
@@ -732,8 +737,9 @@ struct Ref {
 };
 
 template <int K>
-static Ref ref_item(const std::vector<float>& w, const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& q,
-                    const std::vector<float>& beta, const ChunkDesc& ch, int h, int H, int HQ, int T) {
+static Ref ref_item(const std::vector<float>& w, const std::vector<__nv_bfloat16>& k,
+                    const std::vector<__nv_bfloat16>& q, const std::vector<float>& beta, const ChunkDesc& ch, int h,
+                    int H, int HQ, int T) {
   const int C = kChunk, group = HQ / H;
   Ref R;
   const int nq = R.nq = std::min(C, int(ch.len - ch.c * C));
@@ -1035,7 +1041,8 @@ static int run_shape(const Shape& s, const Opts& o) {
     // Nominal flops (each product once, split or not, triangles in full) and the bytes each kernel must move.
     const double per_item = 2.0 * C * C * K * 4 + 2.0 * C * C * C + group * (2.0 * C * C * K * 3 + 2.0 * C * C * C);
     const double flops = per_item * items;
-    const double bytes = double(NT) * H * K * (4 + 2 + 3 * 2) + double(NT) * H * 4 + double(NT) * HQ * (K * 2 * 2 + C * 4);
+    const double bytes =
+        double(NT) * H * K * (4 + 2 + 3 * 2) + double(NT) * H * 4 + double(NT) * HQ * (K * 2 * 2 + C * 4);
     const float tl = dev::median_ms(run_lib, o.runs), t1 = dev::median_ms(run_wg1, o.runs),
                 tn = dev::median_ms(run_wgn, o.runs);
     const float ts[3] = {tl, t1, tn};
