@@ -816,11 +816,12 @@ static Ref ref_item(const std::vector<float>& w, const std::vector<__nv_bfloat16
   return R;
 }
 
+// A device buffer as floats (exact for fp16, bf16 and fp32 elements; half the host memory of doubles).
 template <typename E>
-static std::vector<double> fetch(const E* d, size_t n) {
+static std::vector<float> fetch(const E* d, size_t n) {
   std::vector<E> h(n);
   CK(cudaMemcpy(h.data(), d, n * sizeof(E), cudaMemcpyDeviceToHost));
-  std::vector<double> o(n);
+  std::vector<float> o(n);
   for (size_t i = 0; i < n; ++i) {
     if constexpr (std::is_same_v<E, float>) o[i] = h[i];
     else if constexpr (std::is_same_v<E, __half>) o[i] = __half2float(h[i]);
@@ -912,7 +913,7 @@ static int run_shape(const Shape& s, const Opts& o) {
   CK(cudaDeviceSynchronize());
 
   const char* vname[3] = {"library", "wg1", "wgN"};
-  std::vector<double> got[3][5];  // w16, w2h, kt, qtl, aloc
+  std::vector<float> got[3][5];  // w16, w2h, kt, qtl, aloc
   for (int v = 0; v < 3; ++v) {
     got[v][0] = fetch(out[v].w16, NT * H * K);
     got[v][1] = fetch(out[v].w2h, NT * H * K);
@@ -926,7 +927,7 @@ static int run_shape(const Shape& s, const Opts& o) {
     size_t nd16 = 0;
     for (size_t i = 0; i < got[0][0].size(); ++i) nd16 += !(got[v][0][i] == got[0][0][i]);
     size_t nref = 0;
-    for (size_t i = 0; i < w.size(); ++i) nref += !(got[v][0][i] == double(__half2float(__float2half_rn(w[i]))));
+    for (size_t i = 0; i < w.size(); ++i) nref += !(got[v][0][i] == __half2float(__float2half_rn(w[i])));
     std::printf("  w16 %s: %zu elements differ from the library's, %zu from fp16(w)\n", vname[v], nd16, nref);
     ok = ok && nd16 == 0 && nref == 0;
   }
