@@ -1,4 +1,4 @@
-// dev/cuda/chunk_prep_wg.cu: the forward chunk_prep (src/cuda/prep.cu: w16, w2h, kt, qtl, aloc, the same buffers)
+// dev/cuda/chunk_prep_wg.cu: the forward chunk_prep (src/cuda/kernels/prep_chunk.cu: w16, w2h, kt, qtl, aloc, the same buffers)
 // on Hopper wgmma: one warpgroup a (chunk, kv head) item, 3 (K = 128) or 4 (K = 64) items an SM (a CTA each, or all
 // in one CTA), warpgroup barriers only. Checks itself against an fp64 UT transform and the library's kernel (every
 // output) and times both (NOTES.md, "What the 3x-cuDNN bar at T = 4k asks of the per-token work").
@@ -16,7 +16,7 @@
 // - The 64 x 64 inverse is the library's (unit_lower_inverse: scheme and arithmetic), in place, in the warpgroup.
 // Build (repository root; -Xptxas -v: 167 / 126 registers at K = 128 / 64, no spills):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc -Idev/cuda \
-//        dev/cuda/chunk_prep_wg.cu src/cuda/prep.cu -o chunk_prep_wg
+//        dev/cuda/chunk_prep_wg.cu src/cuda/kernels/prep_chunk.cu -o chunk_prep_wg
 // Run: ./chunk_prep_wg [--check-only] [--debug] [--runs N]: small shapes (every item against fp64), then the bench
 // shapes (sampled items; timing) unless --check-only; --debug compares wg1's A, E, Z^T, U^T, W2, X with fp64.
 #include <cuda_bf16.h>
@@ -32,8 +32,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/hopper.cuh"
+#include "cuda/device/common.cuh"
+#include "cuda/device/hopper.cuh"
 #include "cuda/launchers.h"
 #include "tf32_nt.cuh"  // CK, median_ms, mha_params
 
@@ -171,7 +171,7 @@ __device__ __forceinline__ void half_frags_scaled(uint32_t (&dst)[KT][4], const 
 }
 
 // E = (I + A)^-1 in place for a 64 x 64 strictly lower A (fp32, ld ld; zeros on and above the diagonal), by one
-// warpgroup: unit_lower_inverse's scheme (src/cuda/common.cuh) and arithmetic, with warpgroup barriers. Each
+// warpgroup: unit_lower_inverse's scheme (src/cuda/device/inverse.cuh) and arithmetic, with warpgroup barriers. Each
 // product's operands are read before its result overwrites them (A21's place holds A21 E11, then E21).
 __device__ __forceinline__ void wg_inverse_inplace(float* T, int ld, int bar) {
   const int tid = threadIdx.x & 127, warp = tid >> 5;
