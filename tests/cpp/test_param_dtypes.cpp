@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "harness.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 namespace {
