@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -191,6 +192,40 @@ void apply(const json& j, RunConfig* c) {
 
 }  // namespace
 
+json parse_json_unique(const std::string& text) {
+  struct Frame {
+    std::set<std::string> keys;
+    std::string path;
+    bool object;
+  };
+  std::vector<Frame> stack;
+  std::string key, dup;
+  auto child = [&] {  // the path of the value about to start
+    if (stack.empty()) return std::string();
+    const Frame& f = stack.back();
+    return f.object ? (f.path.empty() ? key : f.path + "." + key) : f.path + "[]";
+  };
+  json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) {
+    switch (ev) {
+      case json::parse_event_t::object_start: stack.push_back({{}, child(), true}); break;
+      case json::parse_event_t::array_start: stack.push_back({{}, child(), false}); break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!stack.empty()) stack.pop_back();
+        break;
+      case json::parse_event_t::key:
+        key = parsed.get<std::string>();
+        if (!stack.empty() && !stack.back().keys.insert(key).second && dup.empty()) dup = child();
+        break;
+      default: break;
+    }
+    return true;
+  };
+  json j = json::parse(text, cb);
+  if (!dup.empty()) throw EngineError("duplicate key \"" + dup + "\"");
+  return j;
+}
+
 RunConfig parse_config(const json& j) {
   RunConfig c;
   apply(j, &c);
@@ -206,9 +241,11 @@ RunConfig overlay_config(const RunConfig& base, const json& overlay) {
 RunConfig parse_config_text(const std::string& text, const std::string& origin) {
   json j;
   try {
-    j = json::parse(text);
+    j = parse_json_unique(text);
   } catch (const json::parse_error& e) {
     throw EngineError(origin + ": not valid JSON: " + e.what());
+  } catch (const EngineError& e) {
+    throw EngineError(origin + ": " + e.what());
   }
   try {
     return parse_config(j);
