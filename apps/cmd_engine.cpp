@@ -23,29 +23,6 @@ namespace {
 using nlohmann::json;
 using namespace pathattn::engine;
 
-// "--set section.key=value" overrides: value is parsed as JSON, or taken as a string when it is not JSON.
-json overlay_from_sets(const std::vector<std::string>& sets) {
-  json o = json::object();
-  for (const std::string& s : sets) {
-    const auto eq = s.find('='), dot = s.find('.');
-    if (eq == std::string::npos || dot == std::string::npos || dot > eq)
-      throw EngineError("--set " + s + ": expected section.key=value (e.g. train.steps=200)");
-    const std::string sec = s.substr(0, dot), key = s.substr(dot + 1, eq - dot - 1), val = s.substr(eq + 1);
-    json v;
-    try {
-      v = parse_json_unique(val);
-    } catch (const json::parse_error&) {
-      v = val;
-    } catch (const EngineError& e) {
-      throw EngineError("--set " + s + ": " + e.what());
-    }
-    if (o.contains(sec) && o[sec].contains(key))  // the later one would win silently
-      throw EngineError("--set " + sec + "." + key + ": given more than once");
-    o[sec][key] = v;
-  }
-  return o;
-}
-
 // Training runs many short OpenMP regions (BLAS calls, the attention op). libgomp's default lets idle
 // threads spin between regions, which on a machine shared with other work steals the cores the busy thread
 // needs: measured on two loaded cores, a flip-flop step took 0.72 s with the default and 0.21 s passive.

@@ -145,7 +145,7 @@ StFile read_safetensors(const std::string& path) {
   json h;
   try {
     h = parse_json_unique(header);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     throw EngineError(bad + "header is not valid JSON (corrupt file?)");
   } catch (const EngineError& e) {
     throw EngineError(bad + "header has a " + e.what());

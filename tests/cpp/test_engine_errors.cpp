@@ -276,6 +276,19 @@ TEST_F(EngineCheckpointErrors, CommandArgumentsChecked) {
                {"cfg: duplicate key \"model.n_layer\""});
 }
 
+// Inputs the fuzzers (tests/fuzz) found: each must give an EngineError, not an exception of the JSON library
+// escaping the engine (or terminating a caller that catches EngineError only).
+TEST(EngineErrors, FuzzerFindings) {
+  // A number beyond double's range: nlohmann-json throws out_of_range, not parse_error.
+  expect_error([] { parse_config_text("3e444batch_si28, \x0fmOy", "cfg"); }, {"cfg: not valid JSON"});
+  expect_error([] { parse_config_text("{\"train\": {\"lr\": 1e999}}", "cfg"); }, {"cfg: not valid JSON"});
+  expect_error([] { overlay_config(RunConfig(), overlay_from_sets({"train.lr=1e999"})); },
+               {"train.lr: expected a number", "1e999"});
+  // A --set value that is not UTF-8: refused by name, and the error message itself must not fail on it.
+  const std::string bytes = "train.steps=tr2n" + std::string(20, '\xff') + "=rope";
+  expect_error([&] { overlay_config(RunConfig(), overlay_from_sets({bytes})); }, {"--set train.steps", "UTF-8"});
+}
+
 TEST_F(EngineCheckpointErrors, FailedWriteKeepsOldFile) {
   // Writing into a path whose temp file cannot be created fails and leaves the existing checkpoint intact.
   const std::string p = dir + "/ckpt.safetensors";
