@@ -57,6 +57,7 @@ void register_check(CLI::App& app, int* exit_code) {
       "check", "Compare the fast cpu path with the fp64 oracle (fp64 and fp32, forward and every gradient) on "
                "fresh random cases; exit code 1 on any failure");
   c->add_option("--seed", a->seed, "Seed of the case draw (default: random, printed)")
+      ->check(non_negative_int())  // else "-1" would wrap to 2^64 - 1
       ->each([a](const std::string&) { a->seed_given = true; });
   c->add_option("--cases", a->cases, "Number of cases (default 20)")->check(CLI::Range(1, 1000000));
   c->add_option("--threads", a->threads, "Threads per call (default 0: OpenMP default)")->check(CLI::Range(0, 1024));

@@ -23,25 +23,6 @@ namespace {
 using nlohmann::json;
 using namespace pathattn::engine;
 
-// "--set section.key=value" overrides: value is parsed as JSON, or taken as a string when it is not JSON.
-json overlay_from_sets(const std::vector<std::string>& sets) {
-  json o = json::object();
-  for (const std::string& s : sets) {
-    const auto eq = s.find('='), dot = s.find('.');
-    if (eq == std::string::npos || dot == std::string::npos || dot > eq)
-      throw EngineError("--set " + s + ": expected section.key=value (e.g. train.steps=200)");
-    const std::string sec = s.substr(0, dot), key = s.substr(dot + 1, eq - dot - 1), val = s.substr(eq + 1);
-    json v;
-    try {
-      v = json::parse(val);
-    } catch (const json::parse_error&) {
-      v = val;
-    }
-    o[sec][key] = v;
-  }
-  return o;
-}
-
 // Training runs many short OpenMP regions (BLAS calls, the attention op). libgomp's default lets idle
 // threads spin between regions, which on a machine shared with other work steals the cores the busy thread
 // needs: measured on two loaded cores, a flip-flop step took 0.72 s with the default and 0.21 s passive.
@@ -117,12 +98,13 @@ void add_repro(CLI::App& repro, const std::string& name, const std::string& help
   c->add_option("--set", a->sets, "Override a config key: section.key=value (repeatable)");
   c->add_option("--models", a->models, "Attention kinds to train (path, path-fox, fox, rope, nope)")->delimiter(',');
   c->add_option("--seeds", a->seeds, "Training seeds (flipflop: each model is trained once per seed)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->check(non_negative_int());  // else "-1" would wrap to 2^64 - 1
   c->add_option("--device", a->device, "Train on cpu or cuda (overrides train.device)");
   c->add_flag("--no-progress", a->no_progress, "No progress bar");
   if (name == "a5") {
     c->add_option("--lengths", a->lengths, "Word lengths (default 5,10,15,20)")->delimiter(',');
-    c->add_option("--max-layers", a->max_layers, "Deepest model tried (default 4)");
+    c->add_option("--max-layers", a->max_layers, "Deepest model tried (default 4)")->check(CLI::Range(1, 256));
   }
   if (name == "mqrar") c->add_option("--n", a->n_backs, "N values (default 1,2,3,4)")->delimiter(',');
   if (name != "flipflop") c->add_flag("--small", a->small, "Use the small CPU preset (repro_" + name + "_small)");
@@ -194,9 +176,9 @@ void register_engine(CLI::App& app, int* exit_code) {
   auto ea = std::make_shared<EvalArgs>();
   CLI::App* eval = app.add_subcommand("eval", "Evaluate a checkpoint on its task's test sets (prints JSON)");
   eval->add_option("checkpoint", ea->checkpoint, "Checkpoint (.safetensors)")->required();
-  eval->add_option("--batch", ea->batch, "Sequences per forward (default 32)");
+  eval->add_option("--batch", ea->batch, "Sequences per forward (default 32)")->check(CLI::Range(1, 1 << 20));
   eval->add_option("--backend", ea->backend, "Attention backend: cpu or oracle");
-  eval->add_option("--threads", ea->threads, "Attention threads (0: default)");
+  eval->add_option("--threads", ea->threads, "Attention threads (0: default)")->check(CLI::Range(0, 1024));
   eval->add_option("--device", ea->device, "Evaluate on cpu or cuda (default: the checkpoint's train.device, or cpu where no GPU is usable)");
   eval->callback([ea, exit_code] {
     guarded(exit_code, [&] {
@@ -211,12 +193,13 @@ void register_engine(CLI::App& app, int* exit_code) {
   CLI::App* sample = app.add_subcommand("sample", "Sample a continuation from a checkpoint");
   sample->add_option("checkpoint", sa->checkpoint, "Checkpoint (.safetensors)")->required();
   sample->add_option("--prompt", sa->prompt, "Prompt (bytes task: text; others: space-separated tokens)");
-  sample->add_option("--tokens", sa->tokens, "Tokens to generate (default 200)");
+  sample->add_option("--tokens", sa->tokens, "Tokens to generate (default 200)")->check(non_negative_int());
   sample->add_option("--temperature", sa->temperature, "Softmax temperature; 0 = greedy (default 1)");
-  sample->add_option("--top-k", sa->top_k, "Sample among the k most likely tokens; 0 = all (default 0)");
-  sample->add_option("--seed", sa->seed, "Sampling seed (default 1)");
+  sample->add_option("--top-k", sa->top_k, "Sample among the k most likely tokens; 0 = all (default 0)")
+      ->check(non_negative_int());
+  sample->add_option("--seed", sa->seed, "Sampling seed (default 1)")->check(non_negative_int());
   sample->add_option("--backend", sa->backend, "Attention backend: cpu or oracle");
-  sample->add_option("--threads", sa->threads, "Attention threads (0: default)");
+  sample->add_option("--threads", sa->threads, "Attention threads (0: default)")->check(CLI::Range(0, 1024));
   sample->callback([sa, exit_code] {
     guarded(exit_code, [&] {
       const std::string s = sample_checkpoint(sa->checkpoint, sa->prompt, sa->tokens, sa->temperature, sa->top_k,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu_suite.sh: everything the CUDA backend needs checked on a GPU machine, in one go: build (unless
-# a prebuilt build directory is given), the GPU tests against the fp64 oracle, compute-sanitizer memcheck and
-# racecheck on small cases, and the training-op benchmark (bench/gpu_bench.py, docs/benchmarks.md) writing
+# a prebuilt build directory is given), the GPU tests against the fp64 oracle (among them non-finite input
+# confinement and a 32k-step decode soak), compute-sanitizer memcheck, racecheck and initcheck on small
+# cases, and the training-op benchmark (bench/gpu_bench.py, docs/benchmarks.md) writing
 # results/bench/gpu_h200.md.
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
 # opcheck / torch.compile, prefill and decode on the GPU) with a pathattn wheel built with the CUDA backend for
@@ -77,7 +78,7 @@ CAPI=$BUILD/libpathattn_capi.so
 
 if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
   echo "== GPU tests"
-  "$TEST" --gtest_color=no 2>&1 | tee "$OUTDIR/test_cuda.log" | grep -E "^\[(acc|race|long)\]|OK \]|FAILED|PASSED|SKIPPED|Failure|error|Expected|Which is|actual" || true
+  "$TEST" --gtest_color=no 2>&1 | tee "$OUTDIR/test_cuda.log" | grep -E "^\[(acc|race|long|soak)\]|OK \]|FAILED|PASSED|SKIPPED|Failure|error|Expected|Which is|actual" || true
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if command -v compute-sanitizer > /dev/null; then
     echo "== compute-sanitizer memcheck / racecheck (small cases)"
@@ -90,6 +91,12 @@ if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
     compute-sanitizer --tool racecheck --error-exitcode 9 "$TEST" --gtest_filter='CudaBackend.PlainAttentionWithoutW' \
       > "$OUTDIR/racecheck.log" 2>&1; echo "racecheck rc=$?" | tee -a "$OUTDIR/racecheck.log"
     tail -3 "$OUTDIR/racecheck.log"
+    # initcheck: no kernel reads device memory nothing wrote (outputs are poisoned, workspaces are not): the
+    # scan and far forward paths, the backward, prefill and decode.
+    compute-sanitizer --tool initcheck --error-exitcode 9 "$TEST" \
+      --gtest_filter='CudaBackend.Varlen:CudaBackend.PlainAttentionWithoutW:CudaBackend.ForwardFarPath:CudaDecode.PrefillVarlenWithEmptySequence' \
+      > "$OUTDIR/initcheck.log" 2>&1; echo "initcheck rc=$?" | tee -a "$OUTDIR/initcheck.log"
+    tail -3 "$OUTDIR/initcheck.log"
   fi
   # The engine's CUDA device (CPU vs CUDA parity), when the build directory has it (a build with the apps).
   ENG=$BUILD/tests/cuda/test_engine_cuda

@@ -4,9 +4,10 @@
 set -euo pipefail
 
 # C++: build tools, OpenBLAS (OpenMP build), CLI11, nlohmann-json, Google Test, Google Benchmark.
+# Fuzzing (scripts/test.sh's fuzz stage): clang with libFuzzer (libclang-rt) and LLVM's OpenMP runtime.
 # Python package (scripts/test_python.sh builds it with pip in a venv): the interpreter, venv and headers.
 pkgs=(cmake ninja-build g++ pkg-config libopenblas-openmp-dev libcli11-dev nlohmann-json3-dev libgtest-dev
-      libbenchmark-dev python3 python3-venv python3-dev)
+      libbenchmark-dev clang-14 libclang-rt-14-dev libomp-14-dev python3 python3-venv python3-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

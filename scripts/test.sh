@@ -10,7 +10,11 @@
 #   4. scripts/test_python.sh, when it exists;
 #   5. where nvcc is found: the CUDA backend built for sm_90a and sm_80 in build-cuda/ (a compile check of
 #      every kernel) and its test binary run, which skips its tests without a GPU (scripts/gpu_suite.sh runs
-#      them, with the benchmark, on a GPU machine).
+#      them, with the benchmark, on a GPU machine);
+#   6. where clang has libFuzzer: the fuzz targets of tests/fuzz (config parser, --set overrides, checkpoint
+#      loader, argument validation) built with ASan + UBSan in build-fuzz/, each run for $fuzz_seconds
+#      (PATHATTN_FUZZ_SECONDS, default 25) from its committed corpus tests/fuzz/corpus/<name>; the executions
+#      are printed, and a crash fails the stage (its input is kept as build-fuzz/crash-<name>-*).
 # Needs the packages of scripts/install_deps.sh. PATHATTN_JOBS sets the parallelism (default: nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +23,7 @@ jobs=${PATHATTN_JOBS:-$(nproc)}
 # Release times on 2 shared cores: decode drift 33 s (several minutes under the sanitizers); every other
 # test takes under 8 s in Release and under 70 s with the sanitizers.
 asan_exclude='^(DecodeDrift\..*)$'
+fuzz_seconds=${PATHATTN_FUZZ_SECONDS:-25}
 failed=()
 t_start=$SECONDS
 
@@ -74,6 +79,40 @@ cuda_build() {
   ./build-cuda/tests/cuda/test_cuda --gtest_brief=1
 }
 
+fuzzer_usable() {
+  command -v clang++ > /dev/null || return 1
+  local probe
+  probe=$(mktemp -d)
+  echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' > "$probe/p.cpp"
+  clang++ -fsanitize=fuzzer "$probe/p.cpp" -o "$probe/p" > /dev/null 2>&1
+  local rc=$?
+  rm -rf "$probe"
+  return $rc
+}
+
+fuzz_tests() {
+  cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_C_COMPILER=clang -DPATHATTN_FUZZ=ON -DPATHATTN_SANITIZE=address,undefined \
+    -DPATHATTN_BUILD_TESTS=OFF -DPATHATTN_BUILD_APPS=OFF
+  cmake --build build-fuzz -j "$jobs" --target fuzz_config fuzz_set fuzz_checkpoint fuzz_validate
+  local t work rc=0 log
+  for t in config set checkpoint validate; do
+    work=$(mktemp -d)  # new inputs go here; the committed corpus is only read
+    log=build-fuzz/fuzz_$t.log
+    if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        LSAN_OPTIONS=suppressions=$PWD/tests/fuzz/lsan.supp \
+        ./build-fuzz/tests/fuzz/fuzz_$t "$work" "tests/fuzz/corpus/$t" -max_total_time="$fuzz_seconds" \
+        -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="build-fuzz/crash-$t-" > "$log" 2>&1; then
+      echo "fuzz_$t: $(grep -o 'stat::number_of_executed_units: [0-9]*' "$log" | grep -o '[0-9]*$') executions," \
+           "$(ls "$work" | wc -l) new inputs, no crash"
+    else
+      echo "fuzz_$t: FAILED"; tail -n 60 "$log"; rc=1
+    fi
+    rm -rf "$work"
+  done
+  return $rc
+}
+
 stage "markdown links" python3 scripts/check_links.py
 stage "release build" release_build
 if [[ " ${failed[*]} " == *" release build "* ]]; then
@@ -93,6 +132,12 @@ if [ -n "$nvcc" ]; then
   stage "cuda build (sm_90a, sm_80) and GPU-test skip" cuda_build
 else
   echo "=== cuda build: skipped (no nvcc)"
+fi
+
+if fuzzer_usable; then
+  stage "fuzz (${fuzz_seconds} s per target)" fuzz_tests
+else
+  echo "=== fuzz: skipped (no clang with libFuzzer; scripts/install_deps.sh installs it)"
 fi
 
 echo "=== test.sh: $((SECONDS - t_start)) s"

@@ -118,6 +118,11 @@ inline PathBwdParams bwd_params_for(const PathFwdParams& f) {
 // Forward: writes o (and lse when given). Returns a non-ok Status, touching no output, on bad input.
 Status path_attn_fwd(const PathFwdParams& p);
 
+// Every check path_attn_fwd makes of the inputs and options (not of o / lse, and no value scan), in the same
+// order and with the same messages: lets a caller allocate outputs only once the arguments are known good.
+// Reads nothing but the views' headers and cu_seqlens.
+Status path_attn_check_inputs(const PathFwdParams& p);
+
 // Backward: writes every gradient view given. Returns a non-ok Status on bad input.
 Status path_attn_bwd(const PathBwdParams& p);
 

@@ -95,18 +95,42 @@ def check_ndim(name, x, ndim, doc):
         raise ValueError(f"{name}: expected {ndim} dimensions {doc}, got {x.ndim} {list(x.shape)}")
 
 
+def int_list(name, xs):
+    """A list / tuple of Python or numpy integers as a list of ints; anything else (a float such as 2.5 or
+    2.0, a bool) is a TypeError naming the argument, never silently truncated."""
+    for x in xs:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+            raise TypeError(f"{name}: expected integers [0, l_0, l_0 + l_1, ..., T], got {x!r} "
+                            f"({type(x).__name__})")
+    return [int(x) for x in xs]
+
+
 def numpy_cu_seqlens(cu_seqlens):
-    """cu_seqlens for the numpy path: None, an integer numpy array, or a list / tuple of ints."""
+    """cu_seqlens for the numpy path: None, an int32 / int64 numpy array, or a list / tuple of ints."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, (list, tuple)):
         try:
-            return np.asarray(cu_seqlens, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise TypeError("cu_seqlens: expected integers [0, l_0, l_0 + l_1, ..., T]") from None
+            return np.asarray(int_list("cu_seqlens", cu_seqlens), dtype=np.int64)
+        except OverflowError:
+            raise ValueError("cu_seqlens: an entry does not fit int64") from None
     if not isinstance(cu_seqlens, np.ndarray):
         raise TypeError(f"cu_seqlens: expected a numpy.ndarray of int32 / int64 or a list of ints, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (np.int32, np.int64) or not cu_seqlens.dtype.isnative:
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
     return cu_seqlens
+
+
+def check_numpy_layout(name, x, writable=False):
+    """numpy arrays the extension cannot take as they are: a non-native byte order (DLPack has none), and a
+    read-only array where the op writes. Reported here, naming the argument."""
+    if x is None or not isinstance(x, np.ndarray):
+        return
+    if not x.dtype.isnative:
+        raise TypeError(f"{name}: dtype {x.dtype.str} is not in this machine's byte order; convert it first, "
+                        f"e.g. {name}.astype({name}.dtype.newbyteorder('='))")
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{name}: the array is read-only, but the op writes to it")
 
 
 def check_numpy_dtype(name, x):
@@ -116,6 +140,8 @@ def check_numpy_dtype(name, x):
 
 def _common_args(q, k, v, w, beta, g, scale, gate_scale, backend):
     kind = array_kind("q", q)
+    for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g)):
+        check_numpy_layout(name, x)
     check_same_kind(kind, "k", k, optional=False)
     check_same_kind(kind, "v", v, optional=False)
     if (w is None) != (beta is None):
@@ -131,7 +157,7 @@ def _common_args(q, k, v, w, beta, g, scale, gate_scale, backend):
 
 
 def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, use_cache=False, *,
-                       gate_scale=None, deterministic=False, return_lse=False, backend=None):
+                       gate_scale=None, deterministic=False, return_lse=False, backend=None, validate=False):
     """PaTH attention, flash-linear-attention's ``parallel_path_attn`` (same signature, layout, results).
 
     Args:
@@ -153,6 +179,9 @@ def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, us
         return_lse: also return lse [B, T, HQ] float32 (natural log; not differentiable).
         backend: None / 'auto' (cuda for CUDA tensors, cpu otherwise), 'cpu', 'oracle' (fp64 brute
             force) or 'cuda'.
+        validate: also scan the inputs first (host arrays only) and raise ValueError naming the argument
+            and index of a non-finite value, a beta outside [0, 2] or a w row whose norm is not 1 (within
+            1e-2). Off by default: the scan reads every input once more.
     Returns:
         (o, k_cache), or (o, k_cache, lse) with return_lse. o is [B, T, HQ, V] in the dtype of v;
         k_cache is None unless use_cache.
@@ -165,25 +194,28 @@ def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, us
     use_cache = bool_arg("use_cache", use_cache)
     deterministic = bool_arg("deterministic", deterministic)
     return_lse = bool_arg("return_lse", return_lse)
+    validate = bool_arg("validate", validate)
     if kind == "torch":
         return _torch_ops.forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic,
-                                  return_lse, code)
+                                  return_lse, code, validate)
     cu = numpy_cu_seqlens(cu_seqlens)
     for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g)):
         if x is not None:
             check_numpy_dtype(name, x)
+    s = NAN if scale is None else scale
+    gs = NAN if gate_scale is None else gate_scale
+    _C.check_inputs(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, scale=s, gate_scale=gs, backend=code,
+                    chunk_size=0)  # before any output is allocated
     B, T, HQ, _ = q.shape
     fdt = np.float64 if q.dtype == np.float64 else np.float32
     o = np.empty((B, T, HQ, v.shape[3]), dtype=v.dtype)
     lse = np.empty((B, T, HQ), dtype=fdt) if return_lse else None
-    s = NAN if scale is None else scale
-    gs = NAN if gate_scale is None else gate_scale
     k_cache = None
     if use_cache:
-        k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, s, gs, code, 0)
+        k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, s, gs, code, 0, validate)
     else:
         _C.fwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, o=o, lse=lse, scale=s, gate_scale=gs, backend=code,
-               num_threads=0, chunk_size=0, validate=False, stream=0)
+               num_threads=0, chunk_size=0, validate=validate, stream=0)
     return (o, k_cache, lse) if return_lse else (o, k_cache)
 
 
@@ -192,7 +224,7 @@ parallel_path_attention = parallel_path_attn
 
 
 def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_seqlens=None, *,
-                           gate_scale=None, deterministic=False, backend=None):
+                           gate_scale=None, deterministic=False, backend=None, validate=False):
     """Backward of parallel_path_attn as a plain function (numpy arrays or torch tensors; no autograd).
 
     Args:
@@ -200,6 +232,7 @@ def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_
         o: [B, T, HQ, V] and lse: [B, T, HQ] float32, the forward's outputs (forward with return_lse=True).
         do: [B, T, HQ, V], dtype of v: the gradient of the loss with respect to o.
         deterministic: bitwise reproducible gradients on CUDA (CPU backends always are).
+        validate: as in parallel_path_attn; do is scanned for non-finite values too.
     Returns:
         PathGrads(dq, dk, dv, dw, dbeta, dg), a named tuple: dq [B,T,HQ,K], dk [B,T,H,K], dv [B,T,H,V] in
         the dtype of q (accumulated in fp32 or better); dw [B,T,H,K], dbeta [B,T,H], dg [B,T,HQ] in the
@@ -212,14 +245,19 @@ def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_
     check_same_kind(kind, "lse", lse, optional=False)
     check_same_kind(kind, "do", do, optional=False)
     deterministic = bool_arg("deterministic", deterministic)
+    validate = bool_arg("validate", validate)
     if kind == "torch":
         return PathGrads(*_torch_ops.backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale,
-                                              deterministic, code))
+                                              deterministic, code, validate))
     cu = numpy_cu_seqlens(cu_seqlens)
     for name, x in (("q", q), ("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g), ("o", o),
                     ("lse", lse), ("do", do)):
         if x is not None:
             check_numpy_dtype(name, x)
+            check_numpy_layout(name, x)
+    _C.check_inputs(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, scale=NAN if scale is None else scale,
+                    gate_scale=NAN if gate_scale is None else gate_scale, backend=code,
+                    chunk_size=0)  # before the gradients are allocated
     dq = np.empty(q.shape, dtype=q.dtype)
     dk = np.empty(k.shape, dtype=q.dtype)
     dv = np.empty(v.shape, dtype=q.dtype)
@@ -229,7 +267,7 @@ def parallel_path_attn_bwd(q, k, v, w, beta, o, lse, do, g=None, scale=None, cu_
     _C.bwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, dw=dw,
            dbeta=dbeta, dg=dg, scale=NAN if scale is None else scale,
            gate_scale=NAN if gate_scale is None else gate_scale, backend=code, num_threads=0, chunk_size=0,
-           deterministic=deterministic, validate=False, stream=0)
+           deterministic=deterministic, validate=validate, stream=0)
     return PathGrads(dq, dk, dv, dw, dbeta, dg)
 
 
@@ -240,7 +278,7 @@ def backend_available(backend):
     """True if `backend` ('oracle', 'cpu', 'cuda') runs the forward in this build (probed once, tiny input).
 
     A backend that reports BackendUnavailableError (not compiled in, or not implemented yet) is False.
-    The cuda probe needs torch with a visible GPU; without one it is False.
+    The cuda probe needs torch with a visible GPU; without either it is False.
     """
     code = backend_code(backend)
     if code in _available:
@@ -248,9 +286,11 @@ def backend_available(backend):
     ok = True
     try:
         if code == 3:
-            import torch
-
-            if not torch.cuda.is_available():
+            try:
+                import torch
+            except ImportError:
+                torch = None
+            if torch is None or TorchTensor is _NoTorch or not torch.cuda.is_available():
                 ok = False
             else:
                 x = torch.zeros((1, 1, 1, 64), device="cuda", dtype=torch.bfloat16)

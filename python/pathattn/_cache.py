@@ -72,7 +72,7 @@ def _cache_arrays(q, k, v, g, num_seqs, capacity):
     return kc, vc, gc, lengths
 
 
-def _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, capacity_extra):
+def _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, capacity_extra, validate=False):
     """Prefill into a fresh cache with capacity max_len + capacity_extra. Returns (kc, vc, gc, lengths)."""
     lens = _host_lengths(cu)
     if cu is None:
@@ -87,14 +87,14 @@ def _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, capac
         cu = cu.detach().cpu()
     _C.prefill(q=_plain(q), k=_plain(k), v=_plain(v), w=_plain(w), beta=_plain(beta), g=_plain(g), cu_seqlens=cu,
                o=o, lse=lse, kc=kc, vc=vc, gc=gc, lengths=lengths, scale=scale, gate_scale=gate_scale, backend=code,
-               num_threads=0, chunk_size=0, validate=False, stream=_stream(q))
+               num_threads=0, chunk_size=0, validate=validate, stream=_stream(q))
     return kc, vc, gc, lengths
 
 
-def prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, stream):
+def prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, stream, validate=False):
     """The forward with use_cache=True: writes o (and lse) and returns k_cache [B, T, H, K] in k's dtype,
     each key transported to the end of its sequence (fla's k_cache)."""
-    kc, _, _, _ = _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, 0)
+    kc, _, _, _ = _run_prefill(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, code, 0, validate)
     B, T, H, K = k.shape
     if cu is None:
         out = kc[:, :, :T].transpose(0, 2, 1, 3) if _is_numpy(kc) else kc[:, :, :T].transpose(1, 2)

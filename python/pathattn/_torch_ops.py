@@ -1,9 +1,9 @@
 """pathattn._torch_ops: the torch custom ops and the torch side of parallel_path_attn (pathattn._api binds it).
 
     torch.ops.pathattn.path_attn_fwd(q, k, v, w?, beta?, g?, cu_seqlens?, scale, gate_scale, use_cache,
-                                     backend, deterministic) -> (o, lse, k_cache)
+                                     backend, deterministic, validate=False) -> (o, lse, k_cache)
     torch.ops.pathattn.path_attn_bwd(do, q, k, v, w?, beta?, g?, cu_seqlens?, o, lse, scale, gate_scale,
-                                     backend, deterministic) -> (dq, dk, dv, dw, dbeta, dg)
+                                     backend, deterministic, validate=False) -> (dq, dk, dv, dw, dbeta, dg)
 
 Both have fake (meta) implementations, so torch.compile traces them without graph breaks; the forward
 has a registered autograd formula (the backward op), differentiable in q, k, v, w, beta and g. Tensors
@@ -54,7 +54,8 @@ def _empty0(like, dtype):
 @torch.library.custom_op("pathattn::path_attn_fwd", mutates_args=())
 def path_attn_fwd(q: Tensor, k: Tensor, v: Tensor, w: Optional[Tensor], beta: Optional[Tensor],
                   g: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, gate_scale: float,
-                  use_cache: bool, backend: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                  use_cache: bool, backend: int, deterministic: bool,
+                  validate: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """PaTH attention forward: o [B,T,HQ,V] (dtype of v), lse [B,T,HQ] float32, k_cache [B,T,H,K] (dtype
     of k; empty unless use_cache). `deterministic` only travels to the backward."""
     q, k, v, w, beta, g = (_arg(x) for x in (q, k, v, w, beta, g))
@@ -64,16 +65,18 @@ def path_attn_fwd(q: Tensor, k: Tensor, v: Tensor, w: Optional[Tensor], beta: Op
     cu = _host(cu_seqlens)
     with _device_guard(q):
         if use_cache:
-            k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, backend, _stream(q))
+            k_cache = prefill_k_cache(q, k, v, w, beta, g, cu, o, lse, scale, gate_scale, backend, _stream(q),
+                                      validate)
         else:
             _C.fwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=cu, o=o, lse=lse, scale=scale, gate_scale=gate_scale,
-                   backend=backend, num_threads=0, chunk_size=0, validate=False, stream=_stream(q))
+                   backend=backend, num_threads=0, chunk_size=0, validate=validate, stream=_stream(q))
             k_cache = _empty0(k, k.dtype)
     return o, lse, k_cache
 
 
 @path_attn_fwd.register_fake
-def _path_attn_fwd_fake(q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_cache, backend, deterministic):
+def _path_attn_fwd_fake(q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_cache, backend, deterministic,
+                        validate=False):
     B, T, HQ, _ = q.shape
     o = q.new_empty((B, T, HQ, v.shape[3]), dtype=v.dtype)
     lse = q.new_empty((B, T, HQ), dtype=_float_dtype(q))
@@ -84,8 +87,8 @@ def _path_attn_fwd_fake(q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_
 @torch.library.custom_op("pathattn::path_attn_bwd", mutates_args=())
 def path_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Optional[Tensor], beta: Optional[Tensor],
                   g: Optional[Tensor], cu_seqlens: Optional[Tensor], o: Tensor, lse: Tensor, scale: float,
-                  gate_scale: float, backend: int,
-                  deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  gate_scale: float, backend: int, deterministic: bool,
+                  validate: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """PaTH attention backward: dq, dk, dv (dtype of q), dw, dbeta, dg (dtype of w, beta, g; empty float32
     (float64 for float64 q) when w / beta / g are None)."""
     do, q, k, v, w, beta, g, o, lse = (_arg(x) for x in (do, q, k, v, w, beta, g, o, lse))
@@ -99,13 +102,14 @@ def path_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Optional[Tenso
     with _device_guard(q):
         _C.bwd(q=q, k=k, v=v, w=w, beta=beta, g=g, cu_seqlens=_host(cu_seqlens), o=o, lse=lse, do=do, dq=dq, dk=dk,
                dv=dv, dw=dw, dbeta=dbeta, dg=dg, scale=scale, gate_scale=gate_scale, backend=backend, num_threads=0,
-               chunk_size=0, deterministic=deterministic, validate=False, stream=_stream(q))
+               chunk_size=0, deterministic=deterministic, validate=validate, stream=_stream(q))
     return (dq, dk, dv, dw if dw is not None else _empty0(q, fdt), dbeta if dbeta is not None else _empty0(q, fdt),
             dg if dg is not None else _empty0(q, fdt))
 
 
 @path_attn_bwd.register_fake
-def _path_attn_bwd_fake(do, q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate_scale, backend, deterministic):
+def _path_attn_bwd_fake(do, q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate_scale, backend, deterministic,
+                        validate=False):
     fdt = _float_dtype(q)
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape, dtype=q.dtype)
@@ -117,10 +121,11 @@ def _path_attn_bwd_fake(do, q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_cache, backend, deterministic = inputs
+    q, k, v, w, beta, g, cu_seqlens, scale, gate_scale, use_cache, backend, deterministic = inputs[:12]
     o, lse, k_cache = output
     ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse)
     ctx.scale, ctx.gate_scale, ctx.backend, ctx.deterministic = scale, gate_scale, backend, deterministic
+    ctx.validate = inputs[12] if len(inputs) > 12 else False
     ctx.has = (w is not None, beta is not None, g is not None)
     # lse and k_cache are outputs for inference; gradients flow through o only.
     ctx.mark_non_differentiable(lse, k_cache)
@@ -129,10 +134,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse, dk_cache):
     q, k, v, w, beta, g, cu_seqlens, o, lse = ctx.saved_tensors
     dq, dk, dv, dw, dbeta, dg = torch.ops.pathattn.path_attn_bwd(
-        do, q, k, v, w, beta, g, cu_seqlens, o, lse, ctx.scale, ctx.gate_scale, ctx.backend, ctx.deterministic)
+        do, q, k, v, w, beta, g, cu_seqlens, o, lse, ctx.scale, ctx.gate_scale, ctx.backend, ctx.deterministic,
+        ctx.validate)
     has_w, has_beta, has_g = ctx.has
     return (dq, dk, dv, dw if has_w else None, dbeta if has_beta else None, dg if has_g else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 path_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -148,7 +154,7 @@ def _cu_tensor(cu_seqlens):
     if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
         return cu_seqlens
     if isinstance(cu_seqlens, (list, tuple)):
-        return torch.tensor(cu_seqlens, dtype=torch.int64)
+        return torch.tensor(_api.int_list("cu_seqlens", cu_seqlens), dtype=torch.int64)
     raise TypeError(f"cu_seqlens: expected a torch.Tensor of int32 / int64, got {type(cu_seqlens).__name__}")
 
 
@@ -161,23 +167,24 @@ def _scales(q, scale, gate_scale):
     return scale, gate_scale
 
 
-def forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic, return_lse, code):
+def forward(q, k, v, w, beta, g, scale, cu_seqlens, use_cache, gate_scale, deterministic, return_lse, code,
+            validate=False):
     cu_seqlens = _cu_tensor(cu_seqlens)
     _check_devices(q, (("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g)))
     scale, gate_scale = _scales(q, scale, gate_scale)
     o, lse, k_cache = torch.ops.pathattn.path_attn_fwd(q, k, v, w, beta, g, cu_seqlens, scale, gate_scale,
-                                                       use_cache, code, deterministic)
+                                                       use_cache, code, deterministic, validate)
     k_cache = k_cache if use_cache else None
     return (o, k_cache, lse) if return_lse else (o, k_cache)
 
 
-def backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale, deterministic, code):
+def backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale, deterministic, code, validate=False):
     cu_seqlens = _cu_tensor(cu_seqlens)
     _check_devices(q, (("k", k), ("v", v), ("w", w), ("beta", beta), ("g", g), ("o", o), ("lse", lse),
                        ("do", do)))
     scale, gate_scale = _scales(q, scale, gate_scale)
     dq, dk, dv, dw, dbeta, dg = torch.ops.pathattn.path_attn_bwd(do, q, k, v, w, beta, g, cu_seqlens, o, lse,
-                                                                 scale, gate_scale, code, deterministic)
+                                                                 scale, gate_scale, code, deterministic, validate)
     return (dq, dk, dv, dw if w is not None else None, dbeta if beta is not None else None,
             dg if g is not None else None)
 

@@ -70,6 +70,11 @@ std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
 
 DType to_dtype(const char* name, nb::dlpack::dtype dt) {
   using C = nb::dlpack::dtype_code;
+  if (std::string(name) == "cu_seqlens") {  // the one integer input: its own list of dtypes
+    if (dt.lanes == 1 && dt.code == uint8_t(C::Int) && dt.bits == 32) return DType::i32;
+    if (dt.lanes == 1 && dt.code == uint8_t(C::Int) && dt.bits == 64) return DType::i64;
+    throw nb::type_error(("cu_seqlens: expected dtype int32 or int64, got " + dlpack_dtype_name(dt)).c_str());
+  }
   if (dt.lanes == 1) {
     if (dt.code == uint8_t(C::Float) && dt.bits == 32) return DType::f32;
     if (dt.code == uint8_t(C::Float) && dt.bits == 64) return DType::f64;
@@ -180,6 +185,18 @@ PathFwdParams fwd_params(const InArray& q, const InArray& k, const InArray& v, c
   return p;
 }
 
+// The forward's checks of inputs and options (path_attn_check_inputs), made before the Python side allocates
+// any output, so a bad argument is reported as such and not as a failed allocation of an enormous output.
+void check_inputs(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
+                  const OptIn& g, const OptIn& cu_seqlens, double scale, double gate_scale, int backend,
+                  int chunk_size) {
+  PathFwdParams p;
+  set_common(p, q, k, v, w, beta, g, scale, gate_scale, backend, 0, 0);
+  p.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
+  p.chunk_size = chunk_size;
+  raise_status(path_attn_check_inputs(p));
+}
+
 void fwd(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
          const OptIn& g, const OptIn& cu_seqlens, OutArray& o, OptOut& lse, double scale, double gate_scale,
          int backend, int num_threads, int chunk_size, bool validate, uintptr_t stream) {
@@ -272,6 +289,10 @@ NB_MODULE(_pathattn, m) {
         nb::arg("scale"), nb::arg("gate_scale"), nb::arg("backend"), nb::arg("num_threads"),
         nb::arg("chunk_size"), nb::arg("validate"), nb::arg("stream"),
         "Forward: writes o [B,T,HQ,V] (and lse [B,T,HQ] when given).");
+  m.def("check_inputs", &check_inputs, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("w").none(),
+        nb::arg("beta").none(), nb::arg("g").none(), nb::arg("cu_seqlens").none(), nb::arg("scale"),
+        nb::arg("gate_scale"), nb::arg("backend"), nb::arg("chunk_size"),
+        "The forward's checks of its inputs and options, before any output is allocated.");
   m.def("bwd", &bwd, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("w").none(), nb::arg("beta").none(),
         nb::arg("g").none(), nb::arg("cu_seqlens").none(), nb::arg("o"), nb::arg("lse"), nb::arg("do"),
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("dw").none(), nb::arg("dbeta").none(),

@@ -26,6 +26,11 @@ Status path_attn_fwd(const PathFwdParams& p) {
   return Status(Status::Code::internal, "backend: unhandled backend");
 }
 
+Status path_attn_check_inputs(const PathFwdParams& p) {
+  core::Problem pr;
+  return core::check_fwd_inputs(p, &pr);
+}
+
 Status path_attn_bwd(const PathBwdParams& p) {
   core::Problem pr;
   PA_TRY(core::check_bwd(p, &pr));

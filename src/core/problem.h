@@ -38,6 +38,8 @@ struct Problem {
 // Validate and describe a forward / backward call. On error the returned Status names the argument.
 Status check_fwd(const PathFwdParams& p, Problem* out);
 Status check_bwd(const PathBwdParams& p, Problem* out);
+// The part of check_fwd before the outputs: inputs, options and sequences (no value scan).
+Status check_fwd_inputs(const PathFwdParams& p, Problem* out);
 
 // Shared by the decode entry points: validates the cache views against a problem's H, HQ, K, V, dtype.
 // `num_seqs` is the number of cache slots expected; `need_room` requires lengths[n] < capacity.

@@ -109,7 +109,8 @@ Status tensor_check(const char* name, const TensorView& x, int ndim, const int64
       return bad(s.str());
     }
   }
-  if (ndim > 0 && x.shape[ndim - 1] > 1 && x.stride[ndim - 1] != 1) {
+  // An empty tensor (numpy gives zero-size dimensions stride 0) has no element whose layout could matter.
+  if (ndim > 0 && x.shape[ndim - 1] > 1 && x.stride[ndim - 1] != 1 && x.numel() != 0) {
     std::ostringstream s;
     s << name << ": the last dimension must be contiguous (stride 1), got stride " << x.stride[ndim - 1];
     return bad(s.str());
@@ -297,6 +298,11 @@ Status check_fwd(const PathFwdParams& p, Problem* pr) {
   }
   if (p.validate) PA_TRY(check_values(*pr, p.q, p.k, p.v, p.w, p.beta, p.g));
   return Status::Ok();
+}
+
+Status check_fwd_inputs(const PathFwdParams& p, Problem* pr) {
+  return check_inputs(p.q, p.k, p.v, p.w, p.beta, p.g, p.cu_seqlens, p.scale, p.gate_scale, p.backend,
+                      p.num_threads, p.chunk_size, pr);
 }
 
 Status check_bwd(const PathBwdParams& p, Problem* pr) {

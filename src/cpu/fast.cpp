@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/convert.h"
@@ -94,14 +95,15 @@ double row_exp(double* s, int64_t m, double shift) {
 }
 
 // Backward row: p[j] := exp(s[j] - lse) for j < keep (0 beyond), dp[j] := p[j] (dp[j] - delta); returns
-// sum_j dp[j] (the row's gate gradient).
+// sum_j dp[j] (the row's gate gradient). Masked entries (j >= keep) are set to 0, not multiplied by 0: a
+// later key's non-finite value in dp must not reach this row.
 PA_VECTOR_CLONES float row_grad(float* s, float* dp, int64_t m, int64_t keep, float lse, float delta) {
   float sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < m; ++j) {
     const float p = j < keep ? exp_fast(s[j] - lse) : 0.0f;
     s[j] = p;
-    const float d = p * (dp[j] - delta);
+    const float d = j < keep ? p * (dp[j] - delta) : 0.0f;
     dp[j] = d;
     sum += d;
   }
@@ -112,10 +114,17 @@ double row_grad(double* s, double* dp, int64_t m, int64_t keep, double lse, doub
   for (int64_t j = 0; j < m; ++j) {
     const double p = j < keep ? std::exp(s[j] - lse) : 0.0;
     s[j] = p;
-    dp[j] = p * (dp[j] - delta);
+    dp[j] = j < keep ? p * (dp[j] - delta) : 0.0;
     sum += dp[j];
   }
   return sum;
+}
+
+template <typename T>
+bool all_finite(const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
 }
 
 // S[r * ld + j] += gs (G[r0 + r] - G[k0 + j]) for r < n, j < m. G is the fp64 cumsum; both terms are taken
@@ -184,7 +193,14 @@ struct KvState {
                                       // superblock products P_last ... P_first [nsb, K, K] (full superblocks)
   std::vector<std::vector<double>> G; // per query head of the group: inclusive gate cumsum [L], fp64 (|G|
                                       // grows with t; see add_gate) (empty: no gate)
+  int64_t bad = -1;                   // first row with a non-finite k, v, w or beta (-1: none)
 };
+
+// Non-finite inputs. Inside a chunk the block products multiply masked (exactly zero) entries with later
+// rows, and 0 * NaN is NaN, so a NaN or Inf in k, v, w or beta at row p would reach the chunk's earlier
+// rows. A (sequence, kv head) with such a row gets a second, sanitised state whose rows >= p are zero: the
+// earlier rows of p's chunk are computed from it (the zero rows meet only the same exact zeros as finite
+// rows would, so those rows are bitwise those of a finite input), and rows >= p from the real state.
 
 // The forward crosses keys beyond the query's own superblock one superblock at a time (keys moved to their
 // superblock's end, one K x K transport and one C x 512 block product each; docs/algorithms.md, two-level
@@ -200,21 +216,31 @@ class FastPath {
 
   Status forward(const PathFwdParams& p);
   Status backward(const PathBwdParams& p);
+  // Recomputes query chunks qcs of query head hq of (sq, kv head h) (the fp32 forward's overflow fallback).
+  void forward_chunks(const PathFwdParams& p, const Seq& sq, int64_t h, int64_t hq,
+                      const std::vector<int64_t>& qcs) const;
 
  private:
   int64_t chunk_len(const KvState<T>& s, int64_t c) const { return std::min(C_, s.L - c * C_); }
 
   void prepare(const TensorView& k, const TensorView& v, const TensorView& w, const TensorView& beta,
-               const TensorView& g, const Seq& sq, int64_t h, bool superblocks, KvState<T>* s) const;
-  void forward_chunk(const PathFwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s, int64_t qc) const;
+               const TensorView& g, const Seq& sq, int64_t h, bool superblocks, KvState<T>* s,
+               int64_t zero_from = -1) const;
+  // Computes query chunk qc and stores its rows [lo, hi) (hi < 0: to the chunk's end). Returns true when a
+  // stored row came out non-finite although its query, gate and the whole unit's k, v, w, beta are finite
+  // (scores beyond the compute type's range).
+  bool forward_chunk(const PathFwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s, int64_t qc,
+                     int64_t lo = 0, int64_t hi = -1) const;
 
   // Backward accumulators of one work unit (one slice of the query chunks of one (sequence, kv head)).
   struct Grads {
     std::vector<T> dkt, dk, dv, dw, dw2, dU, dP;  // [L,K] [L,K] [L,V] [L,K] [L,K] [nc,C,C] [nc,K,K]
     std::vector<T> dG;                            // [group, L]
   };
+  // Stores the dq rows [lo, hi) of query chunk qc (hi < 0: to the chunk's end).
   void backward_chunk(const PathBwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s, int64_t qc,
-                      Grads* gr, std::vector<T>* snap) const;
+                      Grads* gr, std::vector<T>* snap, int64_t lo = 0, int64_t hi = -1) const;
+  void init_grads(const KvState<T>& s, Grads* g) const;
   void backward_kv_chunk(const KvState<T>& s, int64_t c, Grads* gr, T* dbeta) const;
 
   // Row-wise online-softmax update with a score block S [n x m] (ld m): m_, l_, acc [n x V].
@@ -230,7 +256,7 @@ class FastPath {
 template <typename T, bool kPath>
 void FastPath<T, kPath>::prepare(const TensorView& k, const TensorView& v, const TensorView& w,
                                  const TensorView& beta, const TensorView& g, const Seq& sq, int64_t h,
-                                 bool superblocks, KvState<T>* s) const {
+                                 bool superblocks, KvState<T>* s, int64_t zero_from) const {
   const int64_t L = sq.len, K = K_, C = C_;
   s->L = L;
   s->nc = (L + C - 1) / C;
@@ -247,11 +273,27 @@ void FastPath<T, kPath>::prepare(const TensorView& k, const TensorView& v, const
       for (int64_t t = 1; t < L; ++t) G[t] += G[t - 1];
     }
   }
+  if (kPath) {
+    s->w.resize(L * K);
+    s->beta.resize(L);
+    core::load_rows(w, sq.b, sq.t0, L, h, K, s->w.data(), K);
+    core::load_col(beta, sq.b, sq.t0, L, h, s->beta.data());
+  }
+  s->bad = -1;
+  for (int64_t t = 0; t < L && s->bad < 0; ++t) {
+    const bool ok = all_finite(&s->k[t * K], K) && all_finite(&s->v[t * V_], V_) &&
+                    (!kPath || (all_finite(&s->w[t * K], K) && std::isfinite(s->beta[t])));
+    if (!ok) s->bad = t;
+  }
+  if (zero_from >= 0) {  // the sanitised state (see KvState::bad)
+    std::fill(s->k.begin() + zero_from * K, s->k.end(), T(0));
+    std::fill(s->v.begin() + zero_from * V_, s->v.end(), T(0));
+    if (kPath) {
+      std::fill(s->w.begin() + zero_from * K, s->w.end(), T(0));
+      std::fill(s->beta.begin() + zero_from, s->beta.end(), T(0));
+    }
+  }
   if (!kPath) return;
-  s->w.resize(L * K);
-  s->beta.resize(L);
-  core::load_rows(w, sq.b, sq.t0, L, h, K, s->w.data(), K);
-  core::load_col(beta, sq.b, sq.t0, L, h, s->beta.data());
   s->E.assign(s->nc * C * C, T(0));
   s->U.assign(s->nc * C * C, T(0));
   s->P.resize(s->nc * K * K);
@@ -325,9 +367,10 @@ void FastPath<T, kPath>::softmax_update(T* S, int64_t n, int64_t m, T* mx, T* l,
 // Forward of one query chunk qc of query head hq: diagonal chunk by the masked UT form, then key chunks
 // right to left with the query tile transported through each chunk's dense product.
 template <typename T, bool kPath>
-void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s,
-                                       int64_t qc) const {
+bool FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s,
+                                       int64_t qc, int64_t lo, int64_t hi) const {
   const int64_t K = K_, V = V_, C = C_, r0 = qc * C, cl = chunk_len(s, qc);
+  if (hi < 0) hi = cl;
   const int64_t gi = hq % pr_.group;
   const T scale = T(pr_.scale);
   const double* Gq = pr_.gate ? s.G[gi].data() : nullptr;
@@ -384,13 +427,26 @@ void FastPath<T, kPath>::forward_chunk(const PathFwdParams& p, const Seq& sq, in
     }
   }
   std::vector<T> lse(cl);
-  for (int64_t r = 0; r < cl; ++r) {
+  bool overflow = false;
+  for (int64_t r = lo; r < hi; ++r) {
     const T inv = T(1) / l[r];
     for (int64_t c = 0; c < V; ++c) acc[r * V + c] *= inv;
     lse[r] = mx[r] + std::log(l[r]);
+    if (s.bad < 0 && !(std::isfinite(lse[r]) && all_finite(&acc[r * V], V)) && all_finite(&Q[r * K], K) &&
+        (!Gq || std::isfinite(Gq[r0 + r])))
+      overflow = true;
   }
-  core::store_rows(p.o, sq.b, sq.t0 + r0, cl, hq, V, acc.data(), V);
-  if (p.lse.present()) core::store_col(p.lse, sq.b, sq.t0 + r0, cl, hq, lse.data());
+  core::store_rows(p.o, sq.b, sq.t0 + r0 + lo, hi - lo, hq, V, &acc[lo * V], V);
+  if (p.lse.present()) core::store_col(p.lse, sq.b, sq.t0 + r0 + lo, hi - lo, hq, &lse[lo]);
+  return overflow;
+}
+
+template <typename T, bool kPath>
+void FastPath<T, kPath>::forward_chunks(const PathFwdParams& p, const Seq& sq, int64_t h, int64_t hq,
+                                        const std::vector<int64_t>& qcs) const {
+  KvState<T> s;
+  prepare(p.k, p.v, p.w, p.beta, p.g, sq, h, /*superblocks=*/true, &s);
+  parallel_for(int64_t(qcs.size()), nt_, [&](int64_t i) { forward_chunk(p, sq, hq, s, qcs[i]); });
 }
 
 // The (sequence, kv head) units are processed in waves of 2 x threads units, so the chunk factors held at
@@ -399,14 +455,17 @@ template <typename T, bool kPath>
 Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
   const int64_t H = pr_.H, nkv = int64_t(pr_.seqs.size()) * H;
   const int64_t wave = std::min<int64_t>(nkv, 2 * int64_t(nt_));
-  std::vector<KvState<T>> states(wave);
+  std::vector<KvState<T>> states(wave), clean(wave);
   struct Unit { int64_t kv, slot, hq, qc; };
   std::vector<Unit> units;
+  std::vector<char> overflow;
   for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
     const int64_t nw = std::min(wave, nkv - w0);
     parallel_for(nw, nt_, [&](int64_t i) {
-      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, /*superblocks=*/true,
-              &states[i]);
+      const Seq& sq = pr_.seqs[(w0 + i) / H];
+      prepare(p.k, p.v, p.w, p.beta, p.g, sq, (w0 + i) % H, /*superblocks=*/true, &states[i]);
+      if (states[i].bad >= 0)
+        prepare(p.k, p.v, p.w, p.beta, p.g, sq, (w0 + i) % H, true, &clean[i], states[i].bad);
     });
     // Work units (kv unit, query head, query chunk), costliest (latest chunks) first for load balance.
     units.clear();
@@ -416,10 +475,32 @@ Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
         for (int64_t qc = 0; qc < states[i].nc; ++qc) units.push_back({w0 + i, i, hq, qc});
     }
     std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.qc > b.qc; });
+    overflow.assign(units.size(), 0);
     parallel_for(int64_t(units.size()), nt_, [&](int64_t u) {
       const Unit& x = units[u];
-      forward_chunk(p, pr_.seqs[x.kv / H], x.hq, states[x.slot], x.qc);
+      const Seq& sq = pr_.seqs[x.kv / H];
+      const KvState<T>& s = states[x.slot];
+      const int64_t split = s.bad - x.qc * C_;  // rows before the first non-finite row, in this chunk
+      if (s.bad >= 0 && split >= 0 && split < C_) {
+        if (split > 0) forward_chunk(p, sq, x.hq, clean[x.slot], x.qc, 0, split);
+        forward_chunk(p, sq, x.hq, s, x.qc, split, -1);
+      } else {
+        overflow[u] = forward_chunk(p, sq, x.hq, s, x.qc);
+      }
     });
+    // Scores beyond fp32's range (finite inputs, non-finite rows): those chunks again in fp64, as the oracle.
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t i = 0; i < nw; ++i) {
+        for (int64_t hq = 0; hq < pr_.HQ; ++hq) {
+          std::vector<int64_t> qcs;
+          for (size_t u = 0; u < units.size(); ++u)
+            if (overflow[u] && units[u].slot == i && units[u].hq == hq) qcs.push_back(units[u].qc);
+          if (qcs.empty()) continue;
+          FastPath<double, kPath>(pr_, int(C_), nt_).forward_chunks(p, pr_.seqs[(w0 + i) / H], (w0 + i) % H, hq,
+                                                                    qcs);
+        }
+      }
+    }
   }
   return Status::Ok();
 }
@@ -429,8 +510,9 @@ Status FastPath<T, kPath>::forward(const PathFwdParams& p) {
 // opposite order (kc ascending): gbar <- gbar P_kc^T + scale dS_kc kt_kc,  dP_kc += qt_kc^T gbar_{kc-1}.
 template <typename T, bool kPath>
 void FastPath<T, kPath>::backward_chunk(const PathBwdParams& p, const Seq& sq, int64_t hq, const KvState<T>& s,
-                                        int64_t qc, Grads* gr, std::vector<T>* snap) const {
+                                        int64_t qc, Grads* gr, std::vector<T>* snap, int64_t lo, int64_t hi) const {
   const int64_t K = K_, V = V_, C = C_, r0 = qc * C, cl = chunk_len(s, qc);
+  if (hi < 0) hi = cl;
   const int64_t gi = hq % pr_.group;
   const T scale = T(pr_.scale), gs = T(pr_.gate_scale);
   const double* Gq = pr_.gate ? s.G[gi].data() : nullptr;
@@ -513,7 +595,22 @@ void FastPath<T, kPath>::backward_chunk(const PathBwdParams& p, const Seq& sq, i
     gemm(false, false, cl, K, cl, T(1), dX.data(), cl, &s.w[r0 * K], K, T(1), dQ.data(), K);
     gemm(true, false, cl, K, cl, T(1), dX.data(), cl, Q.data(), K, T(1), &gr->dw[r0 * K], K);
   }
-  core::store_rows(p.dq, sq.b, sq.t0 + r0, cl, hq, K, dQ.data(), K);
+  core::store_rows(p.dq, sq.b, sq.t0 + r0 + lo, hi - lo, hq, K, &dQ[lo * K], K);
+}
+
+template <typename T, bool kPath>
+void FastPath<T, kPath>::init_grads(const KvState<T>& s, Grads* g) const {
+  const int64_t L = s.L, K = K_, V = V_, C = C_;
+  g->dk.assign(L * K, T(0));
+  g->dv.assign(L * V, T(0));
+  if (kPath) {
+    g->dkt.assign(L * K, T(0));
+    g->dw.assign(L * K, T(0));
+    g->dw2.assign(L * K, T(0));
+    g->dU.assign(s.nc * C * C, T(0));
+    g->dP.assign(s.nc * K * K, T(0));
+  }
+  if (pr_.gate) g->dG.assign(pr_.group * L, T(0));
 }
 
 // Backward through the chunk factors of chunk c (see KvState): from the accumulated dkt, dP, dU, dW2 (and
@@ -600,33 +697,36 @@ Status FastPath<T, kPath>::backward(const PathBwdParams& p) {
   for (const Seq& sq : pr_.seqs) max_nc = std::max(max_nc, (sq.len + C - 1) / C);
   const int64_t nslice = std::max<int64_t>(1, std::min<int64_t>(max_nc, (16 + nkv - 1) / nkv));
   const int64_t wave = std::min<int64_t>(nkv, std::max<int64_t>(1, 2 * int64_t(nt_) / nslice));
-  std::vector<KvState<T>> states(wave);
+  std::vector<KvState<T>> states(wave), clean(wave);
   std::vector<Grads> grads(wave * nslice);
   for (int64_t w0 = 0; w0 < nkv; w0 += wave) {
     const int64_t nw = std::min(wave, nkv - w0);
     parallel_for(nw, nt_, [&](int64_t i) {
-      prepare(p.k, p.v, p.w, p.beta, p.g, pr_.seqs[(w0 + i) / H], (w0 + i) % H, /*superblocks=*/false,
-              &states[i]);
+      const Seq& sq = pr_.seqs[(w0 + i) / H];
+      prepare(p.k, p.v, p.w, p.beta, p.g, sq, (w0 + i) % H, /*superblocks=*/false, &states[i]);
+      if (states[i].bad >= 0)
+        prepare(p.k, p.v, p.w, p.beta, p.g, sq, (w0 + i) % H, false, &clean[i], states[i].bad);
     });
     parallel_for(nw * nslice, nt_, [&](int64_t u) {
       const int64_t i = u / nslice, sl = u % nslice, kv = w0 + i;
       const KvState<T>& s = states[i];
       Grads& g = grads[u];
-      const int64_t L = s.L;
-      g.dk.assign(L * K, T(0));
-      g.dv.assign(L * V, T(0));
-      if (kPath) {
-        g.dkt.assign(L * K, T(0));
-        g.dw.assign(L * K, T(0));
-        g.dw2.assign(L * K, T(0));
-        g.dU.assign(s.nc * C * C, T(0));
-        g.dP.assign(s.nc * K * K, T(0));
-      }
-      if (pr_.gate) g.dG.assign(pr_.group * L, T(0));
+      init_grads(s, &g);
       std::vector<T> snap;
       const int64_t h = kv % H;
+      const Seq& sq = pr_.seqs[kv / H];
       for (int64_t hq = h * pr_.group; hq < (h + 1) * pr_.group; ++hq)
-        for (int64_t qc = sl; qc < s.nc; qc += nslice) backward_chunk(p, pr_.seqs[kv / H], hq, s, qc, &g, &snap);
+        for (int64_t qc = sl; qc < s.nc; qc += nslice) {
+          const int64_t split = s.bad - qc * C;  // see KvState::bad
+          if (s.bad >= 0 && split > 0 && split < C) {
+            Grads scratch;  // the sanitised pass gives dq of the rows before split; its accumulations are dropped
+            init_grads(s, &scratch);
+            backward_chunk(p, sq, hq, clean[i], qc, &scratch, &snap, 0, split);
+            backward_chunk(p, sq, hq, s, qc, &g, &snap, split, -1);
+          } else {
+            backward_chunk(p, sq, hq, s, qc, &g, &snap);
+          }
+        }
     });
     // Reduce slices into slice 0 (fixed order), then the chunk-factor backward and the stores.
     parallel_for(nw, nt_, [&](int64_t i) {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 namespace pathattn::engine {
 
@@ -49,6 +50,20 @@ void write_all(int fd, const void* p, size_t n, const std::string& path) {
     c += w;
     n -= size_t(w);
   }
+}
+
+// A decimal integer, the whole string (std::stoll would take "12abc" or " 12").
+bool parse_int64(const std::string& s, int64_t* out) {
+  if (s.empty() || s.size() > 19) return false;
+  size_t i = s[0] == '-' ? 1 : 0;
+  if (i == s.size()) return false;
+  int64_t x = 0;
+  for (; i < s.size(); ++i) {
+    if (s[i] < '0' || s[i] > '9') return false;
+    x = x * 10 + (s[i] - '0');
+  }
+  *out = s[0] == '-' ? -x : x;
+  return true;
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -129,9 +144,11 @@ StFile read_safetensors(const std::string& path) {
   f.read(header.data(), std::streamsize(hlen));
   json h;
   try {
-    h = json::parse(header);
-  } catch (const json::parse_error& e) {
+    h = parse_json_unique(header);
+  } catch (const json::exception& e) {
     throw EngineError(bad + "header is not valid JSON (corrupt file?)");
+  } catch (const EngineError& e) {
+    throw EngineError(bad + "header has a " + e.what());
   }
   if (!h.is_object()) throw EngineError(bad + "header is not a JSON object");
   StFile out;
@@ -191,18 +208,18 @@ StFile read_safetensors(const std::string& path) {
   out.data.resize(size_t(data_size));
   f.read(reinterpret_cast<char*>(out.data.data()), std::streamsize(data_size));
   if (!f) throw EngineError(bad + "could not read the data section");
+  // Required: a file without it could be edited freely. The checksum runs over the data section in order.
   auto it = out.metadata.find("data_fnv1a64");
-  if (it != out.metadata.end()) {
-    // The checksum runs over tensors in header order of offsets, i.e. the file's data section in order.
-    if (hex64(fnv1a64(out.data.data(), data_size)) != it->second)
-      throw EngineError(path + ": checkpoint is corrupt: tensor data checksum mismatch");
-  }
+  if (it == out.metadata.end())
+    throw EngineError(bad + "__metadata__ lacks the data checksum \"data_fnv1a64\" (every file we write has one)");
+  if (hex64(fnv1a64(out.data.data(), data_size)) != it->second)
+    throw EngineError(path + ": checkpoint is corrupt: tensor data checksum mismatch");
   return out;
 }
 
 template <typename T>
 void save_checkpoint(const std::string& path, const RunConfig& cfg, const Model<T>& model, const AdamW<T>& opt,
-                     int64_t step) {
+                     int64_t step, const std::map<std::string, std::string>& extra) {
   const std::string dt = std::is_same_v<T, double> ? "F64" : "F32";
   std::vector<StTensor> ts;
   for (const char* prefix : {"", "optim.m.", "optim.v."}) {
@@ -210,7 +227,7 @@ void save_checkpoint(const std::string& path, const RunConfig& cfg, const Model<
     for (const ParamInfo& p : model.layout())
       ts.push_back({prefix + p.name, dt, p.shape, src.data() + p.offset, p.numel * int64_t(sizeof(T))});
   }
-  std::map<std::string, std::string> meta;
+  std::map<std::string, std::string> meta = extra;
   meta["format"] = kCheckpointFormat;
   meta["version"] = "1";
   meta["config"] = config_to_json(cfg).dump();
@@ -233,11 +250,18 @@ CheckpointInfo read_checkpoint(const std::string& path) {
   if (md.at("version") != "1")
     throw EngineError(path + ": checkpoint version " + md.at("version") + " is not supported (expected 1)");
   info.config = parse_config_text(md.at("config"), path + " (embedded config)");
-  try {
-    info.step = std::stoll(md.at("step"));
-  } catch (...) {
-    throw EngineError(path + ": checkpoint metadata \"step\" is not an integer");
-  }
+  // The counters after the checksum: the checksum covers tensor bytes only, not the header.
+  if (!parse_int64(md.at("step"), &info.step))
+    throw EngineError(path + ": checkpoint metadata \"step\" is not an integer: \"" + md.at("step") + "\"");
+  if (info.step < 0 || info.step > info.config.train.steps)
+    throw EngineError(path + ": checkpoint metadata \"step\" = " + std::to_string(info.step) +
+                      " is outside [0, train.steps = " + std::to_string(info.config.train.steps) + "]");
+  int64_t adam_t = 0;
+  if (!parse_int64(md.at("adam_t"), &adam_t))
+    throw EngineError(path + ": checkpoint metadata \"adam_t\" is not an integer: \"" + md.at("adam_t") + "\"");
+  if (adam_t != info.step)  // one optimizer step per training step, from 0
+    throw EngineError(path + ": checkpoint metadata \"adam_t\" = " + std::to_string(adam_t) +
+                      " differs from \"step\" = " + std::to_string(info.step));
   info.dtype = md.at("dtype");
   if (info.dtype != "f32" && info.dtype != "f64") throw EngineError(path + ": checkpoint dtype must be f32 or f64");
   return info;
@@ -256,6 +280,16 @@ void restore_checkpoint(const CheckpointInfo& info, Model<T>& model, AdamW<T>* o
                         ", the model expects " + shape_str(p.shape));
     std::memcpy(dst, info.file.data.data() + e.begin, size_t(e.end - e.begin));
   };
+  // The file's tensors must be exactly the model's parameters and their two AdamW moments: an extra one
+  // means another model (e.g. a PaTH checkpoint whose config was relabelled rope has w projections).
+  std::set<std::string> expected;
+  for (const ParamInfo& p : model.layout())
+    for (const char* prefix : {"", "optim.m.", "optim.v."}) expected.insert(prefix + p.name);
+  for (const auto& [name, e] : info.file.tensors)
+    if (!expected.count(name))
+      throw EngineError("checkpoint: tensor \"" + name + "\" is not part of the model its config describes (model.attn = " +
+                        attn_kind_name(model.config().attn) + ", " + std::to_string(model.config().n_layer) +
+                        " layers): the config does not match the tensors");
   for (const ParamInfo& p : model.layout()) load(p.name, p, model.params.data() + p.offset);
   if (opt) {
     opt->init(int64_t(model.params.size()));
@@ -263,18 +297,17 @@ void restore_checkpoint(const CheckpointInfo& info, Model<T>& model, AdamW<T>* o
       load("optim.m." + p.name, p, opt->m.data() + p.offset);
       load("optim.v." + p.name, p, opt->v.data() + p.offset);
     }
-    try {
-      opt->t = std::stoll(info.file.metadata.at("adam_t"));
-    } catch (...) {
-      throw EngineError("checkpoint: metadata \"adam_t\" is not an integer");
-    }
+    int64_t t = 0;
+    if (!parse_int64(info.file.metadata.at("adam_t"), &t) || t < 0)
+      throw EngineError("checkpoint: metadata \"adam_t\" is not a non-negative integer");
+    opt->t = t;
   }
 }
 
 template void save_checkpoint<float>(const std::string&, const RunConfig&, const Model<float>&, const AdamW<float>&,
-                                     int64_t);
+                                     int64_t, const std::map<std::string, std::string>&);
 template void save_checkpoint<double>(const std::string&, const RunConfig&, const Model<double>&,
-                                      const AdamW<double>&, int64_t);
+                                      const AdamW<double>&, int64_t, const std::map<std::string, std::string>&);
 template void restore_checkpoint<float>(const CheckpointInfo&, Model<float>&, AdamW<float>*);
 template void restore_checkpoint<double>(const CheckpointInfo&, Model<double>&, AdamW<double>*);
 

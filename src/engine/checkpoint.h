@@ -47,13 +47,14 @@ struct StFile {
 StFile read_safetensors(const std::string& path);
 
 // The engine's checkpoint: metadata format = "pathattn-engine", version = "1", config (full JSON), step
-// (completed optimizer steps), dtype, adam_t; tensors: every parameter by its layout name, and
-// "optim.m.<name>" / "optim.v.<name>" for AdamW's moments.
+// (completed optimizer steps, in [0, train.steps]), dtype, adam_t (= step); tensors: every parameter by its
+// layout name, and "optim.m.<name>" / "optim.v.<name>" for AdamW's moments, nothing else. `extra` adds
+// string metadata (the training loop's log state).
 inline constexpr const char* kCheckpointFormat = "pathattn-engine";
 
 template <typename T>
 void save_checkpoint(const std::string& path, const RunConfig& cfg, const Model<T>& model, const AdamW<T>& opt,
-                     int64_t step);
+                     int64_t step, const std::map<std::string, std::string>& extra = {});
 
 struct CheckpointInfo {
   RunConfig config;
@@ -61,11 +62,11 @@ struct CheckpointInfo {
   std::string dtype;
   StFile file;
 };
-// Reads and checks a checkpoint (safetensors validity, then that it is a pathattn-engine checkpoint with a
-// parseable config). Throws EngineError.
+// Reads and checks a checkpoint (safetensors validity with the data checksum required, then that it is a
+// pathattn-engine checkpoint with a parseable config and counters in range). Throws EngineError.
 CheckpointInfo read_checkpoint(const std::string& path);
 // Copies parameters (and AdamW state when opt is given) into a model built from info.config, checking every
-// name, dtype and shape. Throws EngineError on any mismatch.
+// name, dtype and shape, and that the file holds no tensor the model lacks. Throws EngineError on any mismatch.
 template <typename T>
 void restore_checkpoint(const CheckpointInfo& info, Model<T>& model, AdamW<T>* opt);
 

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -97,7 +98,8 @@ class Section {
       if (!seen_.count(it.key())) throw EngineError(name_ + "." + it.key() + ": unknown key");
   }
   [[noreturn]] void fail(const char* key, const std::string& expected, const json& got) const {
-    std::string g = got.dump();
+    // replace: a string value from --set need not be UTF-8, and the message must not fail on it.
+    std::string g = got.dump(-1, ' ', false, json::error_handler_t::replace);
     if (g.size() > 60) g = g.substr(0, 57) + "...";
     throw EngineError(name_ + "." + key + ": expected " + expected + ", got " + g);
   }
@@ -191,6 +193,70 @@ void apply(const json& j, RunConfig* c) {
 
 }  // namespace
 
+json parse_json_unique(const std::string& text) {
+  struct Frame {
+    std::set<std::string> keys;
+    std::string path;
+    bool object;
+  };
+  std::vector<Frame> stack;
+  std::string key, dup;
+  auto child = [&] {  // the path of the value about to start
+    if (stack.empty()) return std::string();
+    const Frame& f = stack.back();
+    return f.object ? (f.path.empty() ? key : f.path + "." + key) : f.path + "[]";
+  };
+  json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) {
+    switch (ev) {
+      case json::parse_event_t::object_start: stack.push_back({{}, child(), true}); break;
+      case json::parse_event_t::array_start: stack.push_back({{}, child(), false}); break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!stack.empty()) stack.pop_back();
+        break;
+      case json::parse_event_t::key:
+        key = parsed.get<std::string>();
+        if (!stack.empty() && !stack.back().keys.insert(key).second && dup.empty()) dup = child();
+        break;
+      default: break;
+    }
+    return true;
+  };
+  json j = json::parse(text, cb);
+  if (!dup.empty()) throw EngineError("duplicate key \"" + dup + "\"");
+  return j;
+}
+
+// The "--set" overlay (config.h); the section and key are checked when the overlay is applied.
+json overlay_from_sets(const std::vector<std::string>& sets) {
+  json o = json::object();
+  for (const std::string& s : sets) {
+    const auto eq = s.find('='), dot = s.find('.');
+    if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+      throw EngineError("--set " + s + ": expected section.key=value (e.g. train.steps=200)");
+    const std::string sec = s.substr(0, dot), key = s.substr(dot + 1, eq - dot - 1), val = s.substr(eq + 1);
+    json v;
+    try {
+      v = parse_json_unique(val);
+    } catch (const json::exception&) {  // not JSON (or a number beyond double's range): the text itself
+      v = val;
+    } catch (const EngineError& e) {
+      throw EngineError("--set " + s + ": " + e.what());
+    }
+    if (v.is_string()) {
+      try {
+        (void)v.dump();  // configs are written as JSON (config.json, checkpoints): strings must be UTF-8
+      } catch (const json::type_error&) {
+        throw EngineError("--set " + sec + "." + key + ": the value is not valid UTF-8");
+      }
+    }
+    if (o.contains(sec) && o[sec].contains(key))  // the later one would win silently
+      throw EngineError("--set " + sec + "." + key + ": given more than once");
+    o[sec][key] = v;
+  }
+  return o;
+}
+
 RunConfig parse_config(const json& j) {
   RunConfig c;
   apply(j, &c);
@@ -206,9 +272,11 @@ RunConfig overlay_config(const RunConfig& base, const json& overlay) {
 RunConfig parse_config_text(const std::string& text, const std::string& origin) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
+    j = parse_json_unique(text);
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number beyond double's range
     throw EngineError(origin + ": not valid JSON: " + e.what());
+  } catch (const EngineError& e) {
+    throw EngineError(origin + ": " + e.what());
   }
   try {
     return parse_config(j);

@@ -94,6 +94,15 @@ struct RunConfig {
   TrainConfig train;
 };
 
+// Parses JSON text like nlohmann::json::parse, but a key given twice in one object is an error (the parser
+// would keep the last silently): throws EngineError "duplicate key \"a.b\"" naming the key's path; syntax
+// errors throw nlohmann::json::parse_error as json::parse does.
+nlohmann::json parse_json_unique(const std::string& text);
+
+// The overlay of the command line's "--set section.key=value" overrides: value is parsed as JSON, or taken as
+// a string when it is not JSON. Throws EngineError on a malformed override or a key given twice.
+nlohmann::json overlay_from_sets(const std::vector<std::string>& sets);
+
 // Parses a config; keys absent from `j` keep the defaults above. Throws EngineError naming the offending
 // key ("train.lr: expected a number > 0, got \"x\"") on unknown keys, wrong types or invalid values.
 RunConfig parse_config(const nlohmann::json& j);

@@ -102,6 +102,11 @@ json repro_flipflop(const ReproOptions& o) {
 }
 
 json repro_a5(const ReproOptions& o) {
+  // The loop below trains depths 1..max_layers; model.n_layer accepts [1, 256].
+  if (o.max_layers < 1 || o.max_layers > 256)
+    throw EngineError("max-layers: expected a depth in [1, 256], got " + std::to_string(o.max_layers));
+  for (int L : o.lengths)
+    if (L < 1 || L > (1 << 20)) throw EngineError("lengths: expected word lengths in [1, 1048576], got " + std::to_string(L));
   const RunConfig base = preset_config(o, "repro_a5");
   const std::vector<std::string> models =
       o.models.empty() ? std::vector<std::string>{"path", "rope", "fox"} : o.models;
@@ -183,6 +188,8 @@ json repro_mqrar(const ReproOptions& o) {
   const std::vector<std::string> models =
       o.models.empty() ? std::vector<std::string>{"path", "rope", "fox"} : o.models;
   const std::vector<int> ns = o.n_backs.empty() ? std::vector<int>{1, 2, 3, 4} : o.n_backs;
+  for (int N : ns)  // the range task.n_back accepts
+    if (N < 1 || N > 64) throw EngineError("n: expected N values in [1, 64], got " + std::to_string(N));
   const std::string dir = o.out_dir.empty() ? "runs/repro_mqrar" : o.out_dir;
   json results = {{"config", config_to_json(base)}, {"runs", json::array()}};
   std::ostringstream t;
@@ -277,6 +284,11 @@ template int32_t choose_token<double>(const double*, int64_t, double, int, Rng&)
 
 std::string sample_checkpoint(const std::string& path, const std::string& prompt, int n, double temperature,
                               int top_k, uint64_t seed, const std::string& backend, int threads) {
+  // The arguments before the checkpoint is read, each named as the command line names it.
+  if (n < 0) throw EngineError("tokens: expected a count >= 0, got " + std::to_string(n));
+  if (!std::isfinite(temperature) || temperature < 0)
+    throw EngineError("temperature: expected a finite number >= 0 (0 = greedy), got " + std::to_string(temperature));
+  if (top_k < 0) throw EngineError("top-k: expected a count >= 0 (0 = all tokens), got " + std::to_string(top_k));
   const CheckpointInfo ck = read_checkpoint(path);
   const Backend b = parse_backend(backend);
   return ck.dtype == "f64" ? sample_typed<double>(ck, prompt, n, temperature, top_k, seed, b, threads)

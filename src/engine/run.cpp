@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <filesystem>
 
 #include "engine/checkpoint.h"
@@ -49,6 +50,7 @@ void check_device(const RunConfig& c) {
 
 template <typename M>
 json evaluate(M& model, const Task& task, int64_t batch) {
+  if (batch < 1) throw EngineError("batch: expected at least 1 sequence per forward, got " + std::to_string(batch));
   json out = json::object();
   const auto sets = task.eval_sets();
   Batch b;
@@ -94,6 +96,31 @@ json evaluate(M& model, const Task& task, int64_t batch) {
 
 namespace {
 
+// The training loop's state between log lines, carried in checkpoints (metadata "log_state") so that a resumed
+// run logs exactly what the uninterrupted run would: the sums over the steps since the last log line, and the
+// last step's loss. Doubles in %.17g round-trip exactly.
+struct LogState {
+  double loss_sum = 0, acc_sum = 0, last_loss = 0;
+  int64_t n = 0;
+  std::string to_string() const {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%.17g %.17g %lld %.17g", loss_sum, acc_sum, (long long)n, last_loss);
+    return buf;
+  }
+  // Checkpoints written before the field existed start from zero sums (the old behaviour).
+  static LogState from(const CheckpointInfo& ck) {
+    LogState s;
+    auto it = ck.file.metadata.find("log_state");
+    if (it == ck.file.metadata.end()) return s;
+    long long n = 0;
+    if (std::sscanf(it->second.c_str(), "%lf %lf %lld %lf", &s.loss_sum, &s.acc_sum, &n, &s.last_loss) != 4 || n < 0 ||
+        n > ck.step)
+      throw EngineError("checkpoint: metadata \"log_state\" is malformed: \"" + it->second + "\"");
+    s.n = n;
+    return s;
+  }
+};
+
 // The model and its optimizer on the host (Model<T>, AdamW<T>).
 template <typename T>
 struct HostTrainer {
@@ -106,8 +133,8 @@ struct HostTrainer {
   }
   void init(uint64_t seed) { model.init(seed); }
   void restore(const CheckpointInfo& ck) { restore_checkpoint(ck, model, &adam); }
-  void save(const std::string& path, const RunConfig& cfg, int64_t step) {
-    save_checkpoint(path, cfg, model, adam, step);
+  void save(const std::string& path, const RunConfig& cfg, int64_t step, const std::map<std::string, std::string>& extra) {
+    save_checkpoint(path, cfg, model, adam, step, extra);
   }
   StepStats forward(const Batch& b) { return model.forward(b.tokens.data(), b.targets.data(), b.B, b.T); }
   void zero_grad() { model.zero_grad(); }
@@ -138,9 +165,9 @@ struct CudaTrainer {
     restore_checkpoint(ck, host, &host_adam);
     dev.upload(host, &host_adam);
   }
-  void save(const std::string& path, const RunConfig& cfg, int64_t step) {
+  void save(const std::string& path, const RunConfig& cfg, int64_t step, const std::map<std::string, std::string>& extra) {
     dev.download(host, &host_adam);
-    save_checkpoint(path, cfg, host, host_adam, step);
+    save_checkpoint(path, cfg, host, host_adam, step, extra);
   }
   StepStats forward(const Batch& b) { return dev.forward(b.tokens.data(), b.targets.data(), b.B, b.T); }
   void zero_grad() { dev.zero_grad(); }
@@ -162,9 +189,11 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
   const TrainConfig& tc = cfg.train;
   Trainer tr(cfg);
   int64_t step = 0;
+  LogState ls;
   if (ck) {
     tr.restore(*ck);
     step = ck->step;
+    ls = LogState::from(*ck);
   } else {
     tr.init(tc.seed);
   }
@@ -182,7 +211,7 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
     else write_file_atomic(log.path(), "");
   }
   auto save = [&](int64_t s) {
-    if (files) tr.save(ckpt_path, cfg, s);
+    if (files) tr.save(ckpt_path, cfg, s, {{"log_state", ls.to_string()}});
   };
   auto do_eval = [&](int64_t s) {
     json ev = evaluate(tr.eval_model(), *task, std::min<int64_t>(std::max(tc.batch_size, 8), 64));
@@ -195,12 +224,14 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
 
   RunResult res;
   res.start_step = step;
+  res.last_loss = ls.last_loss;
   const int64_t end = opt.stop_after >= 0 ? std::min<int64_t>(tc.steps, opt.stop_after) : tc.steps;
   Progress bar(opt.label, tc.steps, step, opt.progress);
   Batch b;
   const auto t0 = std::chrono::steady_clock::now();
-  double loss_acc = 0, acc_acc = 0;
-  int64_t n_acc = 0;
+  double& loss_acc = ls.loss_sum;
+  double& acc_acc = ls.acc_sum;
+  int64_t& n_acc = ls.n;
   for (; step < end; ++step) {
     task->train_batch(tc.seed, step, tc.batch_size, &b);
     tr.zero_grad();
@@ -208,7 +239,7 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
     tr.backward();
     const double lr = lr_at(tc, step);
     const double gnorm = tr.step(tc, lr);
-    res.last_loss = st.loss;
+    res.last_loss = ls.last_loss = st.loss;
     loss_acc += st.loss;
     acc_acc += st.count > 0 ? double(st.correct) / double(st.count) : 0.0;
     n_acc += 1;
@@ -234,8 +265,17 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
   char extra[64];
   std::snprintf(extra, sizeof extra, "loss %.4f", res.last_loss);
   if (opt.progress) bar.finish(extra);
-  save(step);
-  if (res.finished) res.eval = do_eval(step);
+  const bool resumed_done = ck && step == res.start_step;  // nothing was run: the checkpoint is already this
+  if (!resumed_done) save(step);
+  if (res.finished) {
+    // A finished run resumed again: its final evaluation is in the log already (unless the run was stopped
+    // between the last checkpoint and that line); report it instead of appending a duplicate.
+    bool found = false;
+    if (resumed_done && files)
+      for (const json& j : log.read())
+        if (j.contains("eval") && j.value("step", int64_t(-1)) == step) res.eval = j["eval"], found = true;
+    if (!found) res.eval = do_eval(step);
+  }
   if (files) write_plot_svg(dir + "/plot.svg", log.read(), title, metric);
   res.config = cfg;
   tr.final_params(&res);
@@ -282,6 +322,7 @@ json eval_ck(const CheckpointInfo& ck, const RunConfig& cfg, const Task& task, i
 
 json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend, int threads,
                          const std::string& device) {
+  if (batch < 1) throw EngineError("batch: expected at least 1 sequence per forward, got " + std::to_string(batch));
   const CheckpointInfo ck = read_checkpoint(path);
   json out = {{"checkpoint", path}, {"step", ck.step}, {"task", ck.config.task.name},
               {"attn", attn_kind_name(ck.config.model.attn)}};

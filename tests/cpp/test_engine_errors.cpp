@@ -4,14 +4,17 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
 #include "engine/config.h"
+#include "engine/repro.h"
 #include "engine/embedded.h"
 #include "engine/run.h"
 #include "engine/tasks.h"
@@ -173,6 +176,117 @@ TEST_F(EngineCheckpointErrors, RejectsBadFiles) {
   expect_error([&] { restore_checkpoint(ck, m, (AdamW<float>*)nullptr); }, {"wte", "shape", "[5, 24]"});
   Model<double> md(ck.config.model.vocab_size ? ck.config.model : other);
   expect_error([&] { restore_checkpoint(ck, md, (AdamW<double>*)nullptr); }, {"F32", "expected F64"});
+}
+
+// A checkpoint rewritten by hand: fn edits the header (metadata included) and may append tensor data; the
+// data checksum is recomputed (unless `checksum` is false, which drops it), so only the checks after the
+// checksum can catch the edit.
+std::string rewrite(const std::string& good, const std::function<void(nlohmann::json&, std::string&)>& fn,
+                    bool checksum = true) {
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= uint64_t(uint8_t(good[i])) << (8 * i);
+  nlohmann::json h = nlohmann::json::parse(good.substr(8, hlen));
+  std::string data = good.substr(8 + hlen);
+  fn(h, data);
+  uint64_t sum = 0xcbf29ce484222325ull;
+  for (unsigned char ch : data) sum = (sum ^ ch) * 0x100000001b3ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)sum);
+  if (checksum) h["__metadata__"]["data_fnv1a64"] = hex;
+  else h["__metadata__"].erase("data_fnv1a64");
+  std::string hdr = h.dump();
+  std::string f(8, '\0');
+  for (int i = 0; i < 8; ++i) f[i] = char((hdr.size() >> (8 * i)) & 0xff);
+  return f + hdr + data;
+}
+
+TEST_F(EngineCheckpointErrors, SemanticsCheckedAfterTheChecksum) {
+  const std::string p = dir + "/edited.safetensors";
+  auto meta = [&](const char* key, const char* value) {
+    write(p, rewrite(good, [&](nlohmann::json& h, std::string&) { h["__metadata__"][key] = value; }));
+  };
+  // Resuming and evaluating load through read_checkpoint + restore_checkpoint.
+  auto load = [&] {
+    const CheckpointInfo ck = read_checkpoint(p);
+    Model<float> m(ck.config.model);
+    AdamW<float> opt;
+    restore_checkpoint(ck, m, &opt);
+  };
+  write(p, rewrite(good, [](nlohmann::json&, std::string&) {}));
+  EXPECT_NO_THROW(load());  // the rewrite itself keeps a good file good
+  meta("adam_t", "-1");
+  expect_error(load, {"adam_t", "-1"});
+  meta("adam_t", "1");
+  expect_error(load, {"adam_t", "differs from \"step\" = 2"});
+  meta("step", "-3");
+  expect_error(load, {"\"step\" = -3", "outside [0, train.steps = 2]"});
+  meta("step", "3");
+  expect_error(load, {"\"step\" = 3", "outside"});
+  meta("step", "2abc");
+  expect_error(load, {"\"step\" is not an integer"});
+  // An extra tensor (with its bytes; the checksum recomputed).
+  write(p, rewrite(good, [](nlohmann::json& h, std::string& data) {
+    const int64_t off = int64_t(data.size());
+    h["extra.weight"] = {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {off, off + 8}}};
+    data += std::string(8, '\0');
+  }));
+  expect_error(load, {"\"extra.weight\" is not part of the model"});
+  // The integrity field removed.
+  write(p, rewrite(good, [](nlohmann::json&, std::string&) {}, /*checksum=*/false));
+  expect_error([&] { read_checkpoint(p); }, {"data_fnv1a64"});
+  // A PaTH checkpoint relabelled rope: its w projections are not part of a rope model.
+  write(p, rewrite(good, [](nlohmann::json& h, std::string&) {
+    nlohmann::json cfg = nlohmann::json::parse(h["__metadata__"]["config"].get<std::string>());
+    cfg["model"]["attn"] = "rope";
+    h["__metadata__"]["config"] = cfg.dump();
+  }));
+  expect_error(load, {"is not part of the model", "model.attn = rope"});
+  // A key given twice in the header.
+  {
+    std::string hdr = "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                      "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+    std::string f(8, '\0');
+    for (int i = 0; i < 8; ++i) f[i] = char((hdr.size() >> (8 * i)) & 0xff);
+    write(p, f + hdr + std::string(4, '\0'));
+    expect_error([&] { read_checkpoint(p); }, {"duplicate key \"w\""});
+  }
+}
+
+// Arguments of evaluation, sampling and the repro commands are checked before any work (and any loop over
+// them) starts.
+TEST_F(EngineCheckpointErrors, CommandArgumentsChecked) {
+  const std::string ck = dir + "/ckpt.safetensors";
+  expect_error([&] { evaluate_checkpoint(ck, 0, Backend::cpu, 0); }, {"batch", "got 0"});
+  expect_error([&] { evaluate_checkpoint(ck, -1, Backend::cpu, 0); }, {"batch", "got -1"});
+  expect_error([&] { sample_checkpoint(ck, "", 5, -1.0, 0, 1, "cpu", 0); }, {"temperature"});
+  expect_error([&] { sample_checkpoint(ck, "", 5, std::nan(""), 0, 1, "cpu", 0); }, {"temperature", "nan"});
+  expect_error([&] { sample_checkpoint(ck, "", -1, 1.0, 0, 1, "cpu", 0); }, {"tokens"});
+  expect_error([&] { sample_checkpoint(ck, "", 5, 1.0, -4, 1, "cpu", 0); }, {"top-k"});
+  ReproOptions o;
+  o.out_dir = dir + "/repro";
+  o.progress = false;
+  o.max_layers = 0;
+  expect_error([&] { repro_a5(o); }, {"max-layers", "got 0"});
+  o.max_layers = 1;
+  o.lengths = {0};
+  expect_error([&] { repro_a5(o); }, {"lengths", "got 0"});
+  o.n_backs = {0};
+  expect_error([&] { repro_mqrar(o); }, {"n:", "got 0"});
+  expect_error([&] { parse_config_text("{\"model\": {\"n_layer\": 1, \"n_layer\": 2}}", "cfg"); },
+               {"cfg: duplicate key \"model.n_layer\""});
+}
+
+// Inputs the fuzzers (tests/fuzz) found: each must give an EngineError, not an exception of the JSON library
+// escaping the engine (or terminating a caller that catches EngineError only).
+TEST(EngineErrors, FuzzerFindings) {
+  // A number beyond double's range: nlohmann-json throws out_of_range, not parse_error.
+  expect_error([] { parse_config_text("3e444batch_si28, \x0fmOy", "cfg"); }, {"cfg: not valid JSON"});
+  expect_error([] { parse_config_text("{\"train\": {\"lr\": 1e999}}", "cfg"); }, {"cfg: not valid JSON"});
+  expect_error([] { overlay_config(RunConfig(), overlay_from_sets({"train.lr=1e999"})); },
+               {"train.lr: expected a number", "1e999"});
+  // A --set value that is not UTF-8: refused by name, and the error message itself must not fail on it.
+  const std::string bytes = "train.steps=tr2n" + std::string(20, '\xff') + "=rope";
+  expect_error([&] { overlay_config(RunConfig(), overlay_from_sets({bytes})); }, {"--set train.steps", "UTF-8"});
 }
 
 TEST_F(EngineCheckpointErrors, FailedWriteKeepsOldFile) {

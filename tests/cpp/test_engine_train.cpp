@@ -18,6 +18,7 @@
 
 #include "engine/checkpoint.h"
 #include "engine/optim.h"
+#include "engine/report.h"
 #include "engine/run.h"
 #include "engine/tasks.h"
 #include "engine_fixtures.h"
@@ -147,6 +148,44 @@ TEST(EngineTrain, EvalOfAGpuCheckpointWithoutAGpu) {
     EXPECT_NE(std::string(e.what()).find("cuda"), std::string::npos) << e.what();
   }
   fs::remove_all(dir);
+}
+
+// The metrics of a run stopped between two log lines and resumed are those of the uninterrupted run (the
+// first line after the resume averages the same steps); resuming the finished run again reports its last
+// loss and adds no second final evaluation.
+TEST(EngineTrain, ResumedMetricsMatchTheUninterruptedRun) {
+  const std::string a = temp_dir("log_full"), b = temp_dir("log_split");
+  RunConfig c = tiny_flipflop(AttnKind::path);
+  c.train.steps = 30;
+  c.train.log_every = 10;
+  RunOptions ro;
+  ro.progress = false;
+  ro.out_dir = a;
+  const RunResult full = train_run(c, ro);
+  ro.out_dir = b;
+  ro.stop_after = 15;
+  train_run(c, ro);
+  RunOptions rr;
+  rr.progress = false;
+  rr.out_dir = b;
+  rr.resume = b + "/ckpt.safetensors";
+  train_run(RunConfig(), rr);
+  auto losses = [](const std::string& dir) {
+    std::vector<std::pair<int64_t, double>> out;
+    for (const auto& j : MetricsLog(dir + "/metrics.jsonl").read())
+      if (j.contains("loss")) out.push_back({j["step"].get<int64_t>(), j["loss"].get<double>()});
+    return out;
+  };
+  EXPECT_EQ(losses(b), losses(a));
+  const RunResult again = train_run(RunConfig(), rr);
+  EXPECT_TRUE(again.finished);
+  EXPECT_EQ(again.last_loss, full.last_loss);
+  EXPECT_EQ(again.eval.dump(), full.eval.dump());
+  int evals = 0;
+  for (const auto& j : MetricsLog(b + "/metrics.jsonl").read()) evals += j.contains("eval");
+  EXPECT_EQ(evals, 1);
+  fs::remove_all(a);
+  fs::remove_all(b);
 }
 
 // Stop after 40 of 80 steps (a checkpoint every 20, as a killed run leaves), resume, compare with one run.

@@ -459,10 +459,37 @@ TEST_P(Validation, EmptyProblemsAreNoOps) {
   for (TensorView* t : {&f.p.q, &f.p.k, &f.p.v, &f.p.w, &f.p.beta, &f.p.g, &f.p.o, &f.p.lse}) t->data = nullptr;
   const Status st = f.run();
   EXPECT_TRUE(st.ok()) << st.message();
+  // numpy gives the dimensions of an empty array stride 0: legal for every view, inputs and outputs.
+  for (int which : {0, 1}) {
+    FwdCall z(specs[which], GetParam());
+    BwdCall zb(specs[which], GetParam());
+    for (TensorView* t : {&z.p.q, &z.p.k, &z.p.v, &z.p.w, &z.p.beta, &z.p.g, &z.p.o, &z.p.lse, &zb.p.q, &zb.p.k,
+                          &zb.p.v, &zb.p.w, &zb.p.beta, &zb.p.g, &zb.p.o, &zb.p.lse, &zb.p.do_, &zb.p.dq, &zb.p.dk,
+                          &zb.p.dv, &zb.p.dw, &zb.p.dbeta, &zb.p.dg})
+      for (int d = 0; d < t->ndim; ++d) t->stride[d] = 0;
+    const Status sz = z.run(), szb = zb.run();
+    EXPECT_TRUE(sz.ok()) << sz.message();
+    EXPECT_TRUE(szb.ok()) << szb.message();
+  }
   // ...but T = 0 does not excuse a bad shape elsewhere.
   FwdCall g(specs[0], GetParam());
   g.p.v.shape[3] = 12;
   expect_error(g.run(), Code::unsupported, "v");
+}
+
+// path_attn_check_inputs: the forward's checks of inputs and options, before any output exists; the same
+// message as the call itself.
+TEST_P(Validation, CheckInputsBeforeOutputs) {
+  FwdCall f(base_spec(), GetParam());
+  f.p.o = TensorView{};
+  f.p.lse = TensorView{};
+  const Status ok = path_attn_check_inputs(f.p);
+  EXPECT_TRUE(ok.ok()) << ok.message();
+  f.p.k.shape[3] = 8;
+  expect_error(path_attn_check_inputs(f.p), Code::invalid_argument, "k");
+  FwdCall g(base_spec(), GetParam());
+  g.p.beta = TensorView{};
+  expect_error(path_attn_check_inputs(g.p), Code::invalid_argument, "beta");
 }
 
 // ---------------------------------------------------------------------------------------------------

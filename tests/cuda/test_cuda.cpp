@@ -1297,5 +1297,148 @@ TEST(CudaDecode, BadInput) {
   EXPECT_EQ(cache32.len(0), 0);
 }
 
+
+// ------------------------------------------------------------------------------------------------------
+// Non-finite inputs: a NaN or Inf in q, k, v, w, beta or g at position p of one sequence may change outputs at
+// positions >= p of that sequence only. o, lse and dq at earlier positions and every output and gradient of
+// the other sequences must match the finite input's (finite where it is, within 1e-5 of the tensor's largest
+// magnitude: the default backward's reductions need not repeat bitwise). Varlen (a tile may span two
+// sequences) and batch rows; positions mid-chunk and past the first 512-token superblock; every far path.
+
+// got must match ref outside the rows [t0 + p, t0 + len) of batch row b (or outside the whole sequence).
+void expect_confined_gpu(const char* name, const HostTensor& got, const HostTensor& ref, int64_t b, int64_t t0,
+                         int64_t len, int64_t p, bool whole_seq, const std::string& what) {
+  if (!got.present()) return;
+  const TensorView v = got.view();
+  const int64_t B = v.shape[0], T = v.shape[1], heads = v.shape[2], D = v.ndim == 4 ? v.shape[3] : 1;
+  double mag = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i)
+    if (std::isfinite(ref.get(i))) mag = std::max(mag, std::fabs(ref.get(i)));
+  int64_t bad = 0;
+  std::string first;
+  for (int64_t bb = 0; bb < B; ++bb)
+    for (int64_t t = 0; t < T; ++t) {
+      const bool in_seq = bb == b && t >= t0 && t < t0 + len;
+      if (in_seq && (whole_seq || t >= t0 + p)) continue;
+      for (int64_t i = ((bb * T + t) * heads) * D; i < ((bb * T + t + 1) * heads) * D; ++i) {
+        const double x = got.get(i), r = ref.get(i);
+        const bool ok = std::isfinite(r) ? (std::isfinite(x) && std::fabs(x - r) <= 1e-5 * mag) : x == r;
+        if (!ok && bad++ == 0) first = "t " + std::to_string(t) + ": " + std::to_string(x) + " vs " + std::to_string(r);
+      }
+    }
+  EXPECT_EQ(bad, 0) << name << " " << what << ": " << bad << " elements changed outside the poisoned suffix; first at "
+                    << first;
+}
+
+TEST(CudaBackend, NonFiniteInputsStayConfined) {
+  REQUIRE_GPU();
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (bool varlen : {true, false}) {
+    CaseSpec s = mk(0, 4, 2, 64, 64, true, BetaMode::uniform02, DType::bf16, 91);
+    if (varlen) {
+      s.B = 1;
+      s.seqlens = {70, 700, 90};
+      s.T = 860;
+    } else {
+      s.B = 3;
+      s.T = 700;
+    }
+    const int64_t b = varlen ? 0 : 1, t0 = varlen ? 70 : 0, len = 700;
+    const Case clean = Case::make(s);
+    const HostTensor dout = random_dout(clean, 92);
+    for (const char* field : {"v", "w", "beta", "k", "q", "g"})
+      for (int64_t p : {int64_t(100), int64_t(550)})
+        for (double val : {nan, inf}) {
+          Case bad = clean;
+          HostTensor& f = std::string(field) == "q" ? bad.q : std::string(field) == "k" ? bad.k
+                        : std::string(field) == "v" ? bad.v : std::string(field) == "w" ? bad.w
+                        : std::string(field) == "beta" ? bad.beta : bad.g;
+          f = f.clone();
+          const TensorView fv = f.view();
+          const int64_t heads = fv.shape[2], D = fv.ndim == 4 ? fv.shape[3] : 1;
+          f.set(((b * s.T + t0 + p) * heads + 1) * D + (D > 1 ? 3 : 0), val);
+          on_the_backward_far_paths([&] {
+            const char* far = std::getenv("PATHATTN_CUDA_FAR");
+            const std::string what = std::string(field) + (std::isnan(val) ? " nan" : " inf") + " at " +
+                                     std::to_string(p) + (varlen ? " varlen" : " batch") + " far=" + (far ? far : "default");
+            GpuCase g0(clean, &dout), g1(bad, &dout);
+            const GpuRun r0 = run_gpu(g0, true, true), r1 = run_gpu(g1, true, true);
+            ASSERT_TRUE(r0.fs.ok() && r1.fs.ok() && r0.bs.ok() && r1.bs.ok()) << r1.fs.message() << r1.bs.message();
+            expect_confined_gpu("o", r1.o, r0.o, b, t0, len, p, false, what);
+            expect_confined_gpu("lse", r1.lse, r0.lse, b, t0, len, p, false, what);
+            expect_confined_gpu("dq", r1.dq, r0.dq, b, t0, len, p, false, what);
+            expect_confined_gpu("dk", r1.dk, r0.dk, b, t0, len, p, true, what);
+            expect_confined_gpu("dv", r1.dv, r0.dv, b, t0, len, p, true, what);
+            expect_confined_gpu("dw", r1.dw, r0.dw, b, t0, len, p, true, what);
+            expect_confined_gpu("dbeta", r1.dbeta, r0.dbeta, b, t0, len, p, true, what);
+            expect_confined_gpu("dg", r1.dg, r0.dg, b, t0, len, p, true, what);
+          });
+        }
+  }
+}
+
+// Decode soak: one prompt token, then 32768 decode steps on the device cache. The outputs of sampled steps
+// against the definition in fp64 (ref_row), and the drift printed: the relative L2 error over each window of
+// samples, to see whether the fp32 cache's error grows with the length.
+TEST(CudaDecode, Soak32kSteps) {
+  REQUIRE_GPU();
+  const int64_t steps = 32768, P = 1;
+  CaseSpec s = mk(0, 2, 1, 64, 64, true, BetaMode::uniform02, DType::bf16, 93);
+  s.B = 1;
+  s.T = P + steps;
+  const Case c = Case::make(s);
+  GpuCase gc(c);
+  TestCache cache(1, s.H, s.HQ, s.T, s.K, s.V, s.gate, true);
+  HostTensor po(s.dtype, {1, P, s.HQ, s.V}), plse(DType::f32, {1, P, s.HQ});
+  DevTensor dpo(po, false), dplse(plse, false), none;
+  PathPrefillParams pp;
+  pp.fwd = gc.fwd_params(none, none);
+  for (TensorView* x : {&pp.fwd.q, &pp.fwd.k, &pp.fwd.v, &pp.fwd.w, &pp.fwd.beta, &pp.fwd.g}) *x = slice_t(*x, 0, P);
+  pp.fwd.o = vw(dpo);
+  pp.fwd.lse = vw(dplse);
+  pp.cache = cache.view();
+  ASSERT_TRUE(path_attn_prefill(pp).ok());
+  HostTensor so(s.dtype, {1, 1, s.HQ, s.V});
+  DevTensor dso(so, false);
+  double num = 0, den = 0, worst = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    PathDecodeParams d;
+    d.q = slice_t(vw(gc.q), P + t, 1);
+    d.k = slice_t(vw(gc.k), P + t, 1);
+    d.v = slice_t(vw(gc.v), P + t, 1);
+    d.w = slice_t(vw(gc.w), P + t, 1);
+    d.beta = slice_t(vw(gc.beta), P + t, 1);
+    d.g = slice_t(vw(gc.g), P + t, 1);
+    d.o = vw(dso);
+    d.cache = cache.view();
+    d.backend = Backend::cuda;
+    const Status st = path_attn_decode(d);
+    ASSERT_TRUE(st.ok()) << "step " << t << ": " << st.message();
+    const int64_t i = P + t;
+    if (t % 1024 != 1023 && t != 0) continue;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dso.to_host(so);
+    for (int64_t hq = 0; hq < s.HQ; ++hq) {
+      std::vector<double> o;
+      double lse;
+      ref_row(c, 0, hq, i, o, lse);
+      for (int64_t e = 0; e < s.V; ++e) {
+        const double x = so.get(hq * s.V + e);
+        ASSERT_TRUE(std::isfinite(x)) << "step " << t;
+        num += (x - o[e]) * (x - o[e]);
+        den += o[e] * o[e];
+      }
+    }
+    if (t % 8192 == 8191) {
+      const double e = std::sqrt(num / den);
+      worst = std::max(worst, e);
+      std::printf("[soak] steps %6lld: o rel L2 over the last window %.2e\n", (long long)(t + 1), e);
+      num = den = 0;
+    }
+  }
+  EXPECT_EQ(cache.len(0), P + steps);
+  EXPECT_LE(worst, 4e-3);  // the decode bar of check_decode, at every window
+}
+
 }  // namespace
 }  // namespace pathattn::test

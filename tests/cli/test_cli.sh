@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# tests/cli/test_cli.sh PATHATTN: bad arguments to every `pathattn` subcommand end promptly (no hang: each
+# run has a time limit) with a non-zero exit code and a message naming the option. ctest runs it.
+set -uo pipefail
+P=$1
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+fails=0
+
+# expect_fail "EXPECTED TEXT" ARGS...: the command must fail within 60 s, printing EXPECTED TEXT.
+expect_fail() {
+  local want=$1 out rc
+  shift
+  out=$(timeout 60 "$P" "$@" 2>&1)
+  rc=$?
+  if ((rc == 124)); then
+    echo "FAIL (hung): pathattn $*"; fails=$((fails + 1))
+  elif ((rc == 0)) || [[ "$out" != *"$want"* ]]; then
+    echo "FAIL (rc $rc): pathattn $*: expected '$want', got: $out"; fails=$((fails + 1))
+  else
+    echo "ok: pathattn $* -> ${out%%$'\n'*}"
+  fi
+}
+
+tiny=(--set model.d_model=16 --set model.head_dim=8 --set task.seq_len=16 --set task.eval_id=2
+      --set task.eval_sparse=2 --set task.eval_dense=2 --set train.steps=2 --set train.batch_size=2 --no-progress)
+timeout 120 "$P" train "${tiny[@]}" --out "$dir/run" > /dev/null || { echo "FAIL: the tiny training run"; exit 1; }
+ck=$dir/run/ckpt.safetensors
+
+expect_fail "--batch" eval "$ck" --batch 0
+expect_fail "--batch" eval "$ck" --batch -1
+expect_fail "--threads" eval "$ck" --threads -1
+expect_fail "temperature: expected a finite number >= 0" sample "$ck" --temperature -1
+expect_fail "temperature: expected a finite number >= 0" sample "$ck" --temperature nan
+expect_fail "temperature: expected a finite number >= 0" sample "$ck" --temperature inf
+expect_fail "--tokens: expected an integer >= 0" sample "$ck" --tokens -3
+expect_fail "--top-k: expected an integer >= 0" sample "$ck" --top-k -2
+expect_fail "--seed: expected an integer >= 0" sample "$ck" --seed -1
+expect_fail "--max-layers" repro a5 --max-layers 0 --out "$dir/a5"
+expect_fail "--seeds: expected an integer >= 0" repro flipflop --seeds 1,-2 --out "$dir/ff"
+expect_fail "--seed: expected an integer >= 0, got -1" check --seed -1
+expect_fail "--set train.steps: given more than once" train --set train.steps=3 --set train.steps=4 --out "$dir/t"
+expect_fail 'duplicate key "a"' train --set 'train.steps={"a":1,"a":2}' --out "$dir/t"
+printf '{"train": {"steps": 5, "steps": 6}}' > "$dir/dup.json"
+expect_fail 'duplicate key "train.steps"' train --config "$dir/dup.json" --out "$dir/t"
+
+# Resuming a finished run reports its last loss and adds no second final evaluation to the log.
+first=$(timeout 60 "$P" train --resume "$ck" --no-progress) || { echo "FAIL: resume of a finished run"; fails=$((fails + 1)); }
+if [[ "$first" == *'"last_loss":0.0'* ]]; then echo "FAIL: resumed finished run reports last_loss 0.0"; fails=$((fails + 1)); fi
+n_eval=$(grep -c '"eval"' "$dir/run/metrics.jsonl")
+if ((n_eval != 1)); then echo "FAIL: $n_eval final evaluations in metrics.jsonl after resuming a finished run"; fails=$((fails + 1)); fi
+
+if ((fails)); then echo "$fails failed"; exit 1; fi
+echo "all passed"
