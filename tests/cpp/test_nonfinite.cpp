@@ -8,7 +8,7 @@
 #include <limits>
 #include <string>
 
-#include "harness.h"
+#include "check/harness.h"
 
 namespace pathattn::test {
 namespace {
