@@ -174,26 +174,29 @@ def main():
     args = ap.parse_args()
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     bad = 0
+    paths = []
     for root in args.roots:
+        if os.path.isfile(root):
+            paths.append(root)
         for dirpath, _, files in sorted(os.walk(root)):
-            for name in sorted(files):
-                if not name.endswith(EXTS):
-                    continue
-                path = os.path.join(dirpath, name)
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    nlines = sum(1 for _ in f)
-                if nlines > args.max_file:
-                    print(f"{path}: file of {nlines} lines (limit {args.max_file})")
+            paths += [os.path.join(dirpath, name) for name in sorted(files) if name.endswith(EXTS)]
+    for path in paths:
+        if not path.endswith(EXTS):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            nlines = sum(1 for _ in f)
+        if nlines > args.max_file:
+            print(f"{path}: file of {nlines} lines (limit {args.max_file})")
+            bad += 1
+        try:
+            for fname, first, last in scan(path):
+                if last - first + 1 > args.max_function:
+                    print(f"{path}:{first}: function {fname} of {last - first + 1} lines "
+                          f"(limit {args.max_function})")
                     bad += 1
-                try:
-                    for fname, first, last in scan(path):
-                        if last - first + 1 > args.max_function:
-                            print(f"{path}:{first}: function {fname} of {last - first + 1} lines "
-                                  f"(limit {args.max_function})")
-                            bad += 1
-                except SyntaxError as e:
-                    print(f"{e} (the scan could not match braces)")
-                    bad += 1
+        except SyntaxError as e:
+            print(f"{e} (the scan could not match braces)")
+            bad += 1
     print(f"check_sizes: {bad} over the limits" if bad else "check_sizes: ok")
     return 1 if bad else 0
 
