@@ -112,9 +112,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   // With two warpgroups each loads half of every pair of tiles (the first warpgroup the first tile).
   const bool load_a = NP == 1 || wg == 0, load_b = NP == 1 || wg == 1;
 
-  // Superblocks: chunks [first, qc) are crossed one by one; chunks below `first` are read as ks and crossed
-  // a superblock at a time (PaTH only: plain attention has nothing to transport). The CTA's chunks share a
-  // superblock (p.sc is even).
+  // Chunks [first, qc) are crossed one by one, those below `first` read as ks and crossed a superblock at a time
+  // (PaTH only). The CTA's chunks share a superblock (p.sc is even).
   const int sc = p.sc;
   const int first = p.path ? (ch.c / sc) * sc : 0;
   // Split (p.ofar set): this kernel stops at the own superblock's start and fwd_far goes on from there.
@@ -145,9 +144,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
 
-  // Diagonal chunks. Each warpgroup's A_loc rows (64 fp32 = 128 2-byte words a row, pitch 68 floats) are
-  // staged in the transport region, free until the loop's first barrier, with the values of the CTA's chunks
-  // (chunk kc in stage (top - kc) % 2; the keys of chunk c as well, which chunk c + 1 meets first).
+  // Diagonal chunks: each warpgroup's A_loc rows (pitch 68 floats) staged in the transport region (free until the
+  // loop's first barrier) with the CTA's chunks' values (chunk kc in stage (top - kc) % 2; chunk c's keys too).
   constexpr int LA = kChunk + 4;
   static_assert(NP * size_t(kChunk) * LA * 4 <= 2 * size_t(kChunk) * LK * sizeof(__half), "A_loc over Ws, W2s");
   const float* As = reinterpret_cast<const float*>(Ws) + wg * kChunk * LA;
@@ -174,9 +172,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     const bool active = kc < qc;
     cp_async_wait_all();
     __syncthreads();
-    // The transport region is free (the previous transport finished before the barrier). A chunk crossed
-    // here has its w16 / w2h fetched now (first commit group, waited for after the scores); entering far
-    // superblock sb > 0 fetches its product, used after the superblock's last chunk.
+    // The transport region is free: a chunk crossed here fetches its w16 / w2h now (waited for after the scores);
+    // entering far superblock sb > 0 fetches its product, used after the superblock's last chunk.
     const bool far = kc < first;
     const bool cross_chunk = p.path && kc > 0 && !far;
     if (cross_chunk) {
