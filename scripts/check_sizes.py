@@ -16,7 +16,6 @@ import sys
 EXTS = (".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".cu")
 # Functions over the limit not yet split (path:function): reported, not failed. Remove an entry once it is split.
 ALLOWED = {
-    "src/cuda/kernels/bwd_chunk.cu:bwd_chunk_kernel",
     "src/cuda/kernels/bwd_k_far.cu:bwd_k_far_kernel",
     "src/cuda/kernels/bwd_q_item.cuh:run",
 }
