@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   constexpr int kKfStages = KfSmem<K, kFuse>::stages;
   // Fused at K = 128: each warpgroup stages and adds its own half of dq's boxes, waiting only for its own warps'
   // stores (a named barrier) and for both warpgroups' release of the item's stage (its empty barrier), not for two
-  // CTA barriers an item (f+b -1.2% at T = 8k, -0.7% at 4k; at K = 64, +0.5%: docs/cuda.md).
+  // CTA barriers an item (faster at K = 128 only).
   constexpr bool kWgDq = kFuse && K == 128;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Kt = reinterpret_cast<T*>(align1k(smem));  // [128 keys][K] as KB column blocks of 128 x 64
@@ -540,8 +540,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         wait_item(j, true);
         if constexpr (kOverlap && kFuse) {
           // dv / h / dq of item j - 1 issued before item j's scores, so that j - 1's dq is staged and reduced
-          // under them (P^T / dS^T then run with no product under them: fused kernel -0.6% at K = 64, T = 4k;
-          // docs/cuda.md).
+          // under them (P^T / dS^T then run with no product under them; faster at K = 64).
           issue_acc(n - 1, -1);
           issue_sdp(n);
           wg_wait<1>();  // dv / h / dq of item j - 1 done; S^T, dP^T of item j may still run
@@ -564,9 +563,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           stage_ds(n);
         } else if constexpr (kFuse) {
           // dv / h / dq of item j - 1 waited for, then item j's S^T issued before j - 1's dq is staged and
-          // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (fused
-          // kernel -2.7% at T = 4k and 16k; with dP^T's accumulators live too, dv, h, dq and both would not fit
-          // the registers: ptxas spills 208 / 268 bytes; docs/cuda.md).
+          // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (with
+          // dP^T's accumulators live too, dv, h, dq and both would not fit the registers).
           issue_acc(n - 1, j + 1);
           wg_wait<0>();
           fence_regs(dv, hk, pa, dsa);
