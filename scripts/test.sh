@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/test.sh: the test command (README, .ci/run). Stages, each run even if an earlier one failed, with
 # a summary at the end and a non-zero exit code if any failed:
-#   0. every markdown link resolves to a file in the repository (scripts/check_links.py; a second or two);
+#   0. every markdown link resolves to a file in the repository (scripts/check_links.py; a second or two),
+#      and no file under src/ is over 700 lines nor any function over 150 (scripts/check_sizes.py);
 #   1. Release build in build/ and the whole ctest suite;
 #   2. install into build-install/, build examples/find_package against it (find_package(pathattn)), run it;
 #   3. AddressSanitizer + UndefinedBehaviorSanitizer build in build-asan/ (RelWithDebInfo) and the ctest
@@ -114,6 +115,7 @@ fuzz_tests() {
 }
 
 stage "markdown links" python3 scripts/check_links.py
+stage "source sizes" python3 scripts/check_sizes.py
 stage "release build" release_build
 if [[ " ${failed[*]} " == *" release build "* ]]; then
   echo "=== release tests, find_package example: skipped (the build failed)"

@@ -156,9 +156,8 @@ __device__ __forceinline__ void red_add_tile(float* dst, int ld, typename TcTile
       red_add_frag_v4(dst, ld, 16 * (wm + TT::WM * mi), 8 * (wn * TT::NTW + nt), acc[mi][nt], scale);
 }
 
-// The chunk kernels' k-loop unroll (mma_tc_acc's kU): 4 at K = 64; 2 at K = 128, where 4 raised bwd_chunk's
-// spills (24 -> 96 bytes) and its time (3.52 -> 4.27 ms at T = 4k), while 2 at K = 64 cost 0.03 .. 0.12 ms a
-// kernel (docs/cuda.md).
+// The chunk kernels' k-loop unroll (mma_tc_acc's kU): 4 at K = 64; 2 at K = 128, where 4 made bwd_chunk spill
+// and run slower (docs/cuda.md).
 constexpr int kTcUnroll(int K) { return K == 64 ? 4 : 2; }
 
 // A value the same across the warp, through a shuffle from lane 0: ptxas then knows it warp-uniform and keeps what

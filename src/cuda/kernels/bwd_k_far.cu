@@ -1,25 +1,15 @@
 // cuda/kernels/bwd_k_far.cu: the key side's far part of the backward on Hopper (sm_90a). For a key tile (the two chunks
-// of a superblock pair, 128 keys, one warpgroup each) of a kv head, the queries of every later superblock a of
-// its sequence meet the keys moved to a's start, kt_a = ks PS_{sbk+1}^T ... PS_{a-1}^T (ks: the keys at their
-// own superblock's end, from super_prep), with qhat (the queries moved to their superblock's start, from
-// bwd_q). Per tile:
-//   pass 1 (left to right) carries kt across the later superblocks (kt <- kt PS_a^T, fp16 operands as bwd_k),
-//          parking each state (in the input type) in this CTA's scratch;
-//   pass 2 (right to left) runs, per later superblock a, dev/cuda/far_bwd.cu's bkw0 loop with kt_a as the
-//          resident A tile: per (query chunk of a, query head of the group) S^T = kt_a qhat^T, dP^T = v dO^T,
-//          dv += P^T dO, h += scale dS^T qhat, and between superblocks h <- h PS_a;
-// h at the own superblock's end is dks (bwd_k's far result), and bwd_k (with p.kfar) continues from dks and
-// dv. With p.kfuse (kFuse; not deterministic) it takes the query side's far part too, so that no
-// bwd_q_far runs: per item dq = dS kt_a (the gradient w.r.t. qhat, the frame bwd_q's last launch starts from)
-// into dqt, from dS^T staged in shared memory (each warpgroup K / 2 features over all 128 keys), the fp32 tile
-// staged over the item's spent query stage and added by TMA reductions, and at each crossing
-// dPS_a += h^T kt_a (h staged in the input type with one power-of-two scale a tile, as bwd_q_far stages gbar);
-// it then runs before bwd_q's last launch, which adds its diagonal dv to this one's (docs/cuda.md).
-// Tiles: 128-byte swizzled boxes loaded by TMA (one thread issues), three stages of query tiles with full / empty
-// mbarriers, the per-row softmax scalars as one bulk copy a stage (lsd, from bwd_delta in bwd_delta_dg.cu). Every output row
-// has one owner: deterministic. With the gate, the exponent takes the query rows' gate terms through lsd and the
-// keys' from G; the gate's sums of dS are the query side's (KernelParams::dgq), taken here only with kFuse, where
-// this kernel is the query side's far part (gate_sums).
+// of a superblock pair, 128 keys, a warpgroup each) of a kv head, the queries of every later superblock a meet the
+// keys moved to a's start, kt_a = ks PS_{sbk+1}^T ... PS_{a-1}^T, with qhat. Per tile:
+//   pass 1 (left to right) carries kt across the later superblocks (fp16 operands as bwd_k), parking each state;
+//   pass 2 (right to left), per later superblock a, the far loop of dev/cuda/far_bwd.cu with kt_a resident: per
+//          (query chunk, query head) S^T = kt_a qhat^T, dP^T = v dO^T, dv += P^T dO, h += scale dS^T qhat, and
+//          between superblocks h <- h PS_a.
+// h at the own superblock's end is dks, from which bwd_k (p.kfar) continues. With kFuse (not deterministic) it
+// also takes the query side's far part: dq = dS kt_a into dqt by TMA reductions, and at each crossing
+// dPS_a += h^T kt_a (h staged with one power-of-two scale a tile), before bwd_q's last launch (docs/cuda.md).
+// Tiles: 128-byte swizzled TMA boxes, three query stages with full / empty mbarriers, the rows' softmax scalars
+// (lsd) one bulk copy a stage. Gate: the query terms through lsd, the keys' from G; dS sums only with kFuse.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -72,7 +62,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
   constexpr int kKfStages = KfSmem<K, kFuse>::stages;
   // Fused at K = 128: each warpgroup stages and adds its own half of dq's boxes, waiting only for its own warps'
   // stores (a named barrier) and for both warpgroups' release of the item's stage (its empty barrier), not for two
-  // CTA barriers an item (f+b -1.2% at T = 8k, -0.7% at 4k; at K = 64, +0.5%: docs/cuda.md).
+  // CTA barriers an item (faster at K = 128 only).
   constexpr bool kWgDq = kFuse && K == 128;
   extern __shared__ __align__(16) uint8_t smem[];
   T* Kt = reinterpret_cast<T*>(align1k(smem));  // [128 keys][K] as KB column blocks of 128 x 64
@@ -550,8 +540,7 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
         wait_item(j, true);
         if constexpr (kOverlap && kFuse) {
           // dv / h / dq of item j - 1 issued before item j's scores, so that j - 1's dq is staged and reduced
-          // under them (P^T / dS^T then run with no product under them: fused kernel -0.6% at K = 64, T = 4k;
-          // docs/cuda.md).
+          // under them (P^T / dS^T then run with no product under them; faster at K = 64).
           issue_acc(n - 1, -1);
           issue_sdp(n);
           wg_wait<1>();  // dv / h / dq of item j - 1 done; S^T, dP^T of item j may still run
@@ -574,9 +563,8 @@ __global__ void __launch_bounds__(kKfThreads, 1) bwd_k_far_kernel(const __grid_c
           stage_ds(n);
         } else if constexpr (kFuse) {
           // dv / h / dq of item j - 1 waited for, then item j's S^T issued before j - 1's dq is staged and
-          // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (fused
-          // kernel -2.7% at T = 4k and 16k; with dP^T's accumulators live too, dv, h, dq and both would not fit
-          // the registers: ptxas spills 208 / 268 bytes; docs/cuda.md).
+          // reduced, dP^T after it: the staging's shared stores and barriers run under the S^T product (with
+          // dP^T's accumulators live too, dv, h, dq and both would not fit the registers).
           issue_acc(n - 1, j + 1);
           wg_wait<0>();
           fence_regs(dv, hk, pa, dsa);

@@ -12,27 +12,15 @@ namespace {
 constexpr int kPrepThreads = kTcThreads;
 
 // Backward of the superblock products, per (full superblock, kv head) and block of MR rows (super_rows; all
-// K rows in deterministic mode); persistent grid. With M_c = P_last ... P_{c+1} (M_last = I), PS = M_0 P_0 and
-// the far keys ks_c = k~_c M_c^T, the gradients dPS (query side) and dks (key side) reach the chunk products as
+// K rows in deterministic mode, one block in a fixed order); persistent grid. With M_c = P_last ... P_{c+1}:
 //   dP_c += M_c^T R_c,   R_0 = dPS,   R_{c+1} = R_c P_c^T + dks_c^T k~_c
-// (added to dP, which the query side filled for the pairs inside a superblock). The key-side chain already
-// carried the far gradient into dk~. Both chains are right products, so a block of rows of M and R runs on
-// its own; dP_c is then the sum over the blocks of M_c[J, :]^T R_c[J, :], added with fp32 atomics. With
-// MR = K (deterministic mode) there is one block and a fixed order. tf32 mma, fp32 accumulation. The M_c are
-// the ones super_prep stepped through for ks (p.msv, fp16, which holds the tf32 operand's 11 significant bits
-// for entries of 6.1e-5 .. 65504; a product of factors of norm <= 1 has entries <= 1): so the dP product reads
-// them instead of running the chain again (docs/cuda.md).
-// kMode >= 1: two sets of a chunk's tiles, the next chunk's loading by cp.async while this chunk's products run
-// (where the device's shared memory holds them: not at MR = K = 128 on Hopper), else one, staged when needed.
-// kMode == 2 (where that fits too): also M_c staged from p.msv (Ms, by cp.async during the step
-// before), so that the dP product reads its A operand from shared memory rather than from L2 inside its k loop.
-// Its products take the plain warp index (kUW false, as bwd_chunk's): the shuffled one saved registers here but
-// ran 1 .. 2% slower (docs/cuda.md).
-// kF16 (kStageM with row blocks of 64 rows or more): R stays in registers (fp32, TcTile<MR, K>'s layout) and
-// reaches shared memory as an fp16 copy R16 scaled by one power of two for the block (its largest entry into
-// [0.5, 1), as bwd_q stages dP / dPS), so that the dP and Y products (and Y's into R, on Y16 = Y in that scale)
-// run on m16n8k16 with ldmatrix fragments: M_c, W and W2 are fp16 already. dks^T k~ stays tf32 (k~ is in the
-// input type).
+// Both chains are right products, so each block of rows runs on its own and adds its part of dP_c with fp32
+// atomics. The M_c are super_prep's (p.msv, fp16: entries <= 1 keep tf32's 11 bits), not recomputed.
+// kMode >= 1: two sets of a chunk's tiles, the next loading by cp.async during this chunk (where shared memory
+// holds them); kMode == 2: M_c staged too, so the dP product reads it from shared memory. Products take the
+// plain warp index (kUW false): the shuffled one saved registers here but ran slower.
+// kF16 (kStageM, rows >= 64): R in fp32 registers, published as fp16 R16 under one power-of-two scale for the
+// block so that the dP and Y products run on m16n8k16; dks^T k~ stays tf32.
 template <int K, int MR, int kMode>
 struct SuperBwdSmem {
   static constexpr int LM = K + 4, LY = kChunk + 4, LT = K + 8;
@@ -47,6 +35,68 @@ struct SuperBwdSmem {
   static constexpr size_t ms = kStageM ? sizeof(__half) * size_t(MR) * LMS : 0;
   static constexpr size_t bytes = base + (kPrefetch ? 2 : 1) * set + ms;
 };
+
+// dP_c += M_c^T R for this block's rows of R (R16 up with kF16; fp32 atomics where several blocks add).
+template <typename S, int K, int MR, int NB, typename MCt>
+__device__ __forceinline__ void add_dp(float* dP, MCt& mct, const __half* Ms, const __half* R16, const float* Rf,
+                                       float up) {
+  constexpr int LM = S::LM, LR = S::LR;
+  constexpr bool kF16 = S::kF16;
+  if constexpr (kF16) {  // dP_c += (M_c^T R16) up
+    typename TcTile<K, K>::Acc acc;
+    TcTile<K, K>::zero(acc);
+    mma_tc_acc16<K, K, MR, __half, true, true>(acc, Ms, S::LMS, R16, LR);
+    if constexpr (NB == 1) TcTile<K, K>::each(acc, [&](int r, int n, float& v) { dP[r * K + n] += v * up; });
+    else red_add_tile<K, K>(dP, K, acc, up);
+  } else if constexpr (NB == 1) {
+    block_mm_tc<K, K, MR, false, 4, false>(mct, [&](int k, int n) { return Rf[k * LM + n]; },
+                                           [&](int r, int n, float v) { dP[r * K + n] += v; });
+  } else {  // the row blocks' partials: vector reductions (no barrier needed: the operands stay as they are)
+    typename TcTile<K, K>::Acc acc;
+    TcTile<K, K>::zero(acc);
+    mma_tc_acc<K, K, MR, false, 4, false>(acc, mct, [&](int k, int n) { return Rf[k * LM + n]; });
+    red_add_tile<K, K>(dP, K, acc);
+  }
+}
+
+// R <- R - (R W2^T) W + dks^T k~ for this block's rows j0.. of R (kF16: in registers, R16 published again).
+template <typename S, typename T, int K, int MR, typename Acc, typename Publish>
+__device__ __forceinline__ void step_r(float* Rf, float* Yf, const __half* R16, __half* Y16, const float* dKs,
+                                       const T* Kt, const __half* Ws, const __half* W2s, int j0, Acc& rv, float& up,
+                                       Publish& publish_r) {
+  constexpr int LM = S::LM, LY = S::LY, LT = S::LT, LR = S::LR, LY16 = S::LY16;
+  constexpr bool kF16 = S::kF16;
+  using TR = TcTile<MR, K>;
+  if constexpr (kF16) {
+    // Y16 = R16 W2^T (R's scale); R += -(Y16 W) up + dks^T k~; R16 again.
+    {
+      typename TcTile<MR, kChunk>::Acc y;
+      TcTile<MR, kChunk>::zero(y);
+      mma_tc_acc16<MR, kChunk, K, __half>(y, R16, LR, W2s, LT);
+      TcTile<MR, kChunk>::each_pair(y, [&](int r, int n, float& v, float& w) {
+        *reinterpret_cast<__half2*>(Y16 + r * LY16 + n) = __floats2half2_rn(v, w);
+      });
+    }
+    __syncthreads();
+    typename TR::Acc acc;
+    TR::zero(acc);
+    mma_tc_acc16<MR, K, kChunk, __half, false, true>(acc, Y16, LY16, Ws, LT);
+    TR::each(acc, [&](int, int, float& v) { v *= -up; });
+    mma_tc_acc<MR, K, kChunk, false, 4, false>(acc, [&](int r, int k) { return dKs[k * LM + j0 + r]; },
+                                               [&](int k, int n) { return to_f(Kt[k * LT + n]); });
+#pragma unroll
+    for (int mi = 0; mi < TR::MPW; ++mi) add_acc(rv[mi], acc[mi]);
+    up = publish_r(rv);
+  } else {
+    block_mm_tc<MR, kChunk, K, false, 4, false>(a_rows(static_cast<const float*>(Rf), LM), b_rows(W2s, LT),
+                                                [&](int r, int n, float v) { Yf[r * LY + n] = v; });
+    __syncthreads();
+    block_mm_tc2<MR, K, kChunk, kChunk, false, 4, false>(
+        a_rows<true>(static_cast<const float*>(Yf), LY), [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
+        [&](int r, int k) { return dKs[k * LM + j0 + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
+        [&](int r, int n, float v) { Rf[r * LM + n] += v; });
+  }
+}
 
 template <typename T, int K, int MR, int kMode>
 __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams p, int nitems) {
@@ -172,22 +222,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
         if constexpr (S::kStageM) return __half2float(Ms[k * S::LMS + r]);
         else return __half2float(Mit[size_t(c) * K * K + size_t(k) * K + r]);
       };
-      float* dP = p.dP + (int64_t(c0 + c) * p.H + h) * K * K;
-      if constexpr (kF16) {  // dP_c += (M_c^T R16) up
-        typename TcTile<K, K>::Acc acc;
-        TcTile<K, K>::zero(acc);
-        mma_tc_acc16<K, K, MR, __half, true, true>(acc, Ms, S::LMS, R16, LR);
-        if constexpr (NB == 1) TcTile<K, K>::each(acc, [&](int r, int n, float& v) { dP[r * K + n] += v * up; });
-        else red_add_tile<K, K>(dP, K, acc, up);
-      } else if constexpr (NB == 1) {
-        block_mm_tc<K, K, MR, false, 4, false>(mct, [&](int k, int n) { return Rf[k * LM + n]; },
-                                               [&](int r, int n, float v) { dP[r * K + n] += v; });
-      } else {  // the row blocks' partials: vector reductions (no barrier needed: the operands stay as they are)
-        typename TcTile<K, K>::Acc acc;
-        TcTile<K, K>::zero(acc);
-        mma_tc_acc<K, K, MR, false, 4, false>(acc, mct, [&](int k, int n) { return Rf[k * LM + n]; });
-        red_add_tile<K, K>(dP, K, acc);
-      }
+      add_dp<S, K, MR, NB>(p.dP + (int64_t(c0 + c) * p.H + h) * K * K, mct, Ms, R16, Rf, up);
       if (c == p.sc - 1) break;
       wait_load(i);
       __syncthreads();  // (also: every warp is done with Ms)
@@ -195,35 +230,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) super_bwd_kernel(KernelParams
       const T* Kt = kt_of(set_of(i));
       const __half* Ws = w_of(set_of(i));
       const __half* W2s = Ws + kChunk * LT;
-      if constexpr (kF16) {
-        // Y16 = R16 W2^T (R's scale); R += -(Y16 W) up + dks^T k~; R16 again.
-        {
-          typename TcTile<MR, kChunk>::Acc y;
-          TcTile<MR, kChunk>::zero(y);
-          mma_tc_acc16<MR, kChunk, K, __half>(y, R16, LR, W2s, LT);
-          TcTile<MR, kChunk>::each_pair(y, [&](int r, int n, float& v, float& w) {
-            *reinterpret_cast<__half2*>(Y16 + r * LY16 + n) = __floats2half2_rn(v, w);
-          });
-        }
-        __syncthreads();
-        typename TR::Acc acc;
-        TR::zero(acc);
-        mma_tc_acc16<MR, K, kChunk, __half, false, true>(acc, Y16, LY16, Ws, LT);
-        TR::each(acc, [&](int, int, float& v) { v *= -up; });
-        mma_tc_acc<MR, K, kChunk, false, 4, false>(acc, [&](int r, int k) { return dKs[k * LM + j0 + r]; },
-                                                   [&](int k, int n) { return to_f(Kt[k * LT + n]); });
-#pragma unroll
-        for (int mi = 0; mi < TR::MPW; ++mi) add_acc(rv[mi], acc[mi]);
-        up = publish_r(rv);
-      } else {
-      block_mm_tc<MR, kChunk, K, false, 4, false>(a_rows(static_cast<const float*>(Rf), LM), b_rows(W2s, LT),
-                                                  [&](int r, int n, float v) { Yf[r * LY + n] = v; });
-      __syncthreads();
-      block_mm_tc2<MR, K, kChunk, kChunk, false, 4, false>(
-          a_rows<true>(static_cast<const float*>(Yf), LY), [&](int k, int n) { return __half2float(Ws[k * LT + n]); },
-          [&](int r, int k) { return dKs[k * LM + j0 + r]; }, [&](int k, int n) { return to_f(Kt[k * LT + n]); },
-          [&](int r, int n, float v) { Rf[r * LM + n] += v; });
-      }
+      step_r<S, T, K, MR>(Rf, Yf, R16, Y16, dKs, Kt, Ws, W2s, j0, rv, up, publish_r);
     }
   }
 }

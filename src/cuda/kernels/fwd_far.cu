@@ -1,18 +1,13 @@
 // cuda/kernels/fwd_far.cu: the forward's far part on Hopper (sm_90a). fwd_scan, run with p.ofar set, stops at its own
-// superblock's first chunk and leaves there the query state moved to the superblock's start (fp16, in qtl),
-// the output so far (normalized, fp32, ofar) and its log2-sum-exp (lsefar). This kernel continues each
-// query chunk from that state across the earlier superblocks: attention against their keys moved to the
-// superblock's end (ks), then the query across the superblock, qt <- qt PS, the same fp16 product as
-// fwd_scan's. The loop is the one dev/cuda/far_tiling.cu measured fastest (vw6, 545 TFLOP/s on the far
-// loop against 320 for mma.sync): 128 query rows per CTA (the two chunks of a superblock pair, one warpgroup
-// each), 128-key chunks in 128-byte swizzled tiles loaded by TMA (one thread issues them) with full / empty
-// mbarriers, S = q k~^T and P V on wgmma with the scores of a chunk issued together with P V of the previous
-// one. The superblock product goes through a tile of its own with its own barriers. The query state between
-// crossings stays in shared memory as the fp16 fragments the next crossing multiplies (each thread its own):
-// a round trip of the fp32 state through global memory at every crossing cost about 30% of this kernel at
-// K = 128, T = 4k (docs/cuda.md). The room for it comes from the k~ tiles: two stages of them (a
-// chunk's scores are done before the next chunk's loads are issued) against three of v (P V of chunk c - 1
-// runs beside the scores of c).
+// superblock's first chunk and leaves the query state moved to the superblock's start (fp16, qtl), the output
+// so far (normalized, fp32, ofar) and its log2-sum-exp (lsefar). This kernel continues each query chunk across
+// the earlier superblocks: attention against their keys moved to the superblock's end (ks), then the query
+// across the superblock, qt <- qt PS (fp16, as fwd_scan's). The loop is dev/cuda/far_tiling.cu's fastest
+// (docs/cuda.md): 128 query rows a CTA (a superblock pair's two chunks, a warpgroup each), 128-key tiles by TMA
+// into 128-byte swizzled shared memory with full / empty mbarriers, S = q k~^T and P V on wgmma with the scores
+// of a chunk issued together with P V of the previous one. Between crossings the query state stays in shared
+// memory as the fp16 fragments the next crossing multiplies (a global round trip cost far more); its room comes
+// from keeping two k~ stages against three of v.
 #include <algorithm>
 #include <atomic>
 
@@ -45,6 +40,119 @@ struct FarSmem {
                                   gate + 8 * (2 * kFarStages + kFarKStages + 2);
 };
 
+// The CTA's mbarriers (thread 0): full / empty a v stage, kempty a k~ stage, then ps_full and ps_empty.
+__device__ __forceinline__ void init_far_barriers(uint64_t* full) {
+  uint64_t* empty = full + kFarStages;
+  uint64_t* kempty = empty + kFarStages;
+  uint64_t* ps_full = kempty + kFarKStages;
+  uint64_t* ps_empty = ps_full + 1;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kFarStages; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], kFarThreads / 32);
+    }
+    for (int st = 0; st < kFarKStages; ++st) mbar_init(&kempty[st], kFarThreads / 32);
+    mbar_init(ps_full, 1);
+    mbar_init(ps_empty, kFarThreads / 32);
+    mbar_init_fence();
+  }
+}
+
+// The thread's fp16 query-state fragments (K / 16 k-steps of four words) in its own slots of Sq.
+template <int K>
+__device__ __forceinline__ void put_state(uint4* Sq, const uint32_t (&f)[K / 16][4]) {
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt)
+    Sq[kt * kFarThreads + threadIdx.x] = make_uint4(f[kt][0], f[kt][1], f[kt][2], f[kt][3]);
+}
+template <int K>
+__device__ __forceinline__ void get_state(const uint4* Sq, uint32_t (&f)[K / 16][4]) {
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt) {
+    const uint4 u = Sq[kt * kFarThreads + threadIdx.x];
+    f[kt][0] = u.x;
+    f[kt][1] = u.y;
+    f[kt][2] = u.z;
+    f[kt][3] = u.w;
+  }
+}
+
+// The state fwd_scan left for rows rr: queries qt (fp32), the output so far, m = its lse, l = 1 (once a row), the
+// gate term. Rows past the sequence: zero, finite, never stored.
+template <int K, int V, bool kGate>
+__device__ __forceinline__ void load_far_rows(const KernelParams& p, int64_t tokq0, int hq, const int (&rr)[2],
+                                              int nq, int t4, float gl2, float (&qt)[K / 8][4], float (&o)[V / 8][4],
+                                              float (&m)[2], float (&l)[2], float (&Gq)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = rr[hr];
+    const bool ok = r < nq;
+    const int64_t row = (tokq0 + r) * p.HQ + hq;
+    const __half* qrow = p.qtl + row * K;
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      const float2 v2 = ok ? pair_f(qrow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+      qt[nt][2 * hr] = v2.x;
+      qt[nt][2 * hr + 1] = v2.y;
+    }
+    const float* orow = p.ofar + row * V;
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt) {
+      const float2 v2 = ok ? *reinterpret_cast<const float2*>(orow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
+      o[nt][2 * hr] = v2.x;
+      o[nt][2 * hr + 1] = v2.y;
+    }
+    m[hr] = ok ? p.lsefar[row] : 0.f;
+    l[hr] = t4 == 0 ? 1.f : 0.f;
+    Gq[hr] = (kGate && ok) ? p.G[row] * gl2 : 0.f;
+  }
+}
+
+// Scores to P in s (scaled to base 2, the gate terms with kGate: Gk = the chunk's keys' G gl2); alpha rescales o.
+template <bool kGate, int NS>
+__device__ __forceinline__ void far_softmax(float (&s)[NS][4], const float* Gk, const float (&Gq)[2], float sl2, int t4,
+                                            float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+  if constexpr (kGate) {
+#pragma unroll
+    for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gk[8 * nt + 2 * t4 + (e & 1)];
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= sl2;
+  }
+  softmax_step(s, m, l, alpha);
+}
+
+// Crossing n (superblock S - 1 - n's chunks done): qt <- qt PS with fp16 operands, the state from Sq (the fp32
+// result rounded to fp16, as the next crossing would round it); qa = the new state in T, Sq too where `more`.
+template <typename T, int K>
+__device__ __forceinline__ void far_cross(int n, bool more, uint4* Sq, uint64_t* ps_full, uint64_t* ps_empty,
+                                          const __half* PSs, int lane, uint32_t (&qa)[K / 16][4]) {
+  uint32_t qh[K / 16][4];
+  get_state<K>(Sq, qh);
+  mbar_wait(ps_full, uint32_t(n) & 1);
+  float y[K / 8][4];
+  fence_regs(qh);
+  wg_fence();
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt)
+    wg_rs<__half, 1>(y, qh[kt], smem_desc_sw128(reinterpret_cast<const char*>(PSs) + kt * 16 * 128, K * 128, 1024),
+                     kt > 0);
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(y);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(ps_empty);
+  if (more) {  // another crossing follows
+    pack_frags<__half, K / 16>(qh, y);
+    put_state<K>(Sq, qh);
+  }
+  pack_frags<T, K / 16>(qa, y);
+}
+
 template <typename T, int K, int V, bool kGate>
 __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_constant__ KernelParams p,
                                                                  const __grid_constant__ FarMaps mp) {
@@ -61,18 +169,8 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   uint64_t* kempty = empty + kFarStages;  // k~ stage free (scores done), one arrival a warp
   uint64_t* ps_full = kempty + kFarKStages;
   uint64_t* ps_empty = ps_full + 1;
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kFarStages; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], kFarThreads / 32);
-    }
-    for (int st = 0; st < kFarKStages; ++st) mbar_init(&kempty[st], kFarThreads / 32);
-    mbar_init(ps_full, 1);
-    mbar_init(ps_empty, kFarThreads / 32);
-    mbar_init_fence();
-  }
+  init_far_barriers(full);
   __syncthreads();
-
   const int hq = blockIdx.x % p.HQ, h = hq / p.group;
   const ChunkDesc ch = p.chunks[mp.tiles[blockIdx.x / p.HQ]];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -85,12 +183,8 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
   const float LOG2E = 1.4426950408889634f;
   const float sl2 = p.scale * LOG2E, gl2 = kGate ? p.gate_scale * LOG2E : 0.f;
   // Far chunk c: superblock S - 1 - c / fps, its 128 keys from c % fps (the order within a superblock is free).
-  auto key0 = [&](int c) {
-    return int64_t(S - 1 - c / fps) * sc * kChunk + (c % fps) * kFarKeys;
-  };
-
-  // Thread 0: chunk c's k~ tile into k~ stage c % 2 and its v tile (with the gate, its keys' gate terms, read
-  // until P V is issued) into v stage c % 3, each once its last reader released it; all arrive on full[c % 3].
+  auto key0 = [&](int c) { return int64_t(S - 1 - c / fps) * sc * kChunk + (c % fps) * kFarKeys; };
+  // Thread 0: chunk c's k~ (stage c % 2), v and gate terms (stage c % 3) once released; all arrive on full[c % 3].
   auto issue = [&](int c) {
     const int st = c % kFarStages, kst = c % kFarKStages;
     if (c >= kFarStages) mbar_wait(&empty[st], uint32_t(c / kFarStages - 1) & 1);
@@ -107,8 +201,8 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     for (int j = 0; j < V / 64; ++j)
       tma_load(Vs + st * kFarKeys * V + j * kFarKeys * 64, &mp.v, 64 * j, h, int(t), int(ch.b), &full[st]);
   };
-  auto issue_ps = [&](int n) {  // thread 0: the product of superblock S - 1 - n (the n-th crossing), once the
-                                // (n - 1)-th was released by every warp
+  // Thread 0: the product of superblock S - 1 - n (the n-th crossing), once every warp released the (n - 1)-th.
+  auto issue_ps = [&](int n) {
     if (n >= 1) mbar_wait(ps_empty, uint32_t(n - 1) & 1);
     mbar_expect_tx(ps_full, uint32_t(K * K * 2));
     const int row = int((int64_t(ch.sfirst + S - 1 - n) * p.H + h) * K);
@@ -123,73 +217,27 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     const char* t = reinterpret_cast<const char*>(Vs + (c % kFarStages) * kFarKeys * V);
     return smem_desc_sw128(t + kt * 16 * 128, kFarKeys * 128, 1024);
   };
-  auto release = [&](int c) {  // P V of chunk c done: its v stage
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[c % kFarStages]);
-  };
-  auto release_k = [&](int c) {  // the scores of chunk c done: its k~ stage
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&kempty[c % kFarKStages]);
-  };
-  // The thread's fp16 query-state fragments (K / 16 k-steps of four words) in its own slots of Sq.
-  auto put_state = [&](const uint32_t(&f)[K / 16][4]) {
-#pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt)
-      Sq[kt * kFarThreads + threadIdx.x] = make_uint4(f[kt][0], f[kt][1], f[kt][2], f[kt][3]);
-  };
-  auto get_state = [&](uint32_t(&f)[K / 16][4]) {
-#pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt) {
-      const uint4 u = Sq[kt * kFarThreads + threadIdx.x];
-      f[kt][0] = u.x;
-      f[kt][1] = u.y;
-      f[kt][2] = u.z;
-      f[kt][3] = u.w;
-    }
-  };
-
+  // P V of chunk c done: its v stage; the scores of chunk c done: its k~ stage.
+  auto release = [&](int c) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[c % kFarStages]); };
+  auto release_k = [&](int c) { __syncwarp(); if (lane == 0) mbar_arrive(&kempty[c % kFarKStages]); };
   // The first chunks' tiles and the first product load while the state below does.
   if (threadIdx.x == 0) {
     issue(0);
     if (nfc > 1) issue(1);
     if (S > 1) issue_ps(0);
   }
-  // The state fwd_scan left: queries at the superblock's start (fp32), the output so far and its lse (base 2).
-  // Rows past the sequence: zero queries, finite state, never stored. The crossings multiply the state in fp16
-  // (as fwd_scan's): it is kept as those fp16 fragments, the scores' operands (qa) in the input type.
+  // The state fwd_scan left: queries (qa in T; fp16 fragments in Sq for the crossings), output so far, its lse.
   float o[V / 8][4];
   float m[2], l[2], alpha[2], Gq[2];
   uint32_t qa[K / 16][4];
   {
     float qt[K / 8][4];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = rr[hr];
-      const bool ok = r < nq;
-      const int64_t row = (tokq0 + r) * p.HQ + hq;
-      const __half* qrow = p.qtl + row * K;
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt) {
-        const float2 v2 = ok ? pair_f(qrow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
-        qt[nt][2 * hr] = v2.x;
-        qt[nt][2 * hr + 1] = v2.y;
-      }
-      const float* orow = p.ofar + row * V;
-#pragma unroll
-      for (int nt = 0; nt < V / 8; ++nt) {
-        const float2 v2 = ok ? *reinterpret_cast<const float2*>(orow + 8 * nt + 2 * t4) : make_float2(0.f, 0.f);
-        o[nt][2 * hr] = v2.x;
-        o[nt][2 * hr + 1] = v2.y;
-      }
-      m[hr] = ok ? p.lsefar[row] : 0.f;
-      l[hr] = t4 == 0 ? 1.f : 0.f;
-      Gq[hr] = (kGate && ok) ? p.G[row] * gl2 : 0.f;
-    }
+    load_far_rows<K, V, kGate>(p, tokq0, hq, rr, nq, t4, gl2, qt, o, m, l, Gq);
     pack_frags<T, K / 16>(qa, qt);
     if (S > 1) {
       uint32_t qh[K / 16][4];
       pack_frags<__half, K / 16>(qh, qt);
-      put_state(qh);
+      put_state<K>(Sq, qh);
     }
   }
 
@@ -205,46 +253,12 @@ __global__ void __launch_bounds__(kFarThreads, 1) fwd_far_kernel(const __grid_co
     for (int kt = 0; kt < PK; ++kt) wg_rs<T, 1>(o, pa[kt], vdesc(c, kt));
     wg_commit();
   };
-  auto softmax = [&](int c) {  // P left in s; alpha for the rescale of o
-    if constexpr (kGate) {
-      const float* Gk = Gst + (c % kFarStages) * kFarKeys;  // G gl2 of the chunk's keys
-#pragma unroll
-      for (int nt = 0; nt < NS; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = s[nt][e] * sl2 + Gq[e >> 1] - Gk[8 * nt + 2 * t4 + (e & 1)];
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < NS; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= sl2;
-    }
-    softmax_step(s, m, l, alpha);
-  };
-  // Across superblock S - c / fps (its chunks done): qt <- qt PS with fp16 operands (the state from Sq; the
-  // product's fp32 result goes back rounded to fp16, which is what the next crossing would round it to).
-  auto cross = [&](int c) {
+  auto softmax = [&](int c) { far_softmax<kGate>(s, Gst + (c % kFarStages) * kFarKeys, Gq, sl2, t4, m, l, alpha); };
+  auto cross = [&](int c) {  // across superblock S - c / fps, its chunks done
     const int n = c / fps - 1;
-    uint32_t qh[K / 16][4];
-    get_state(qh);
-    mbar_wait(ps_full, uint32_t(n) & 1);
-    float y[K / 8][4];
-    fence_regs(qh);
-    wg_fence();
-#pragma unroll
-    for (int kt = 0; kt < K / 16; ++kt)
-      wg_rs<__half, 1>(y, qh[kt], smem_desc_sw128(reinterpret_cast<const char*>(PSs) + kt * 16 * 128, K * 128, 1024),
-                       kt > 0);
-    wg_commit();
-    wg_wait<0>();
-    fence_regs(y);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(ps_empty);
-    if (n + 1 < S - 1) {  // another crossing follows
-      pack_frags<__half, K / 16>(qh, y);
-      put_state(qh);
-    }
-    pack_frags<T, K / 16>(qa, y);
+    far_cross<T, K>(n, n + 1 < S - 1, Sq, ps_full, ps_empty, PSs, lane, qa);
   };
+
 
   __syncwarp();
   mbar_wait(&full[0], 0);

@@ -9,16 +9,10 @@
 namespace pathattn::cuda {
 namespace {
 
-// 4 warps x 16 query rows = one 64-row chunk. Per key chunk: S = qt k~^T and O += P V (dtype T),
-// X = qt W^T and qt -= X W2 (fp16). Registers: qt (K/2) + O (V/2) + S (32) + X (32) floats per thread.
-// Two shared-memory stages of (k~, v) tiles: the next chunk loads while this one computes. One transport
-// region of 2 x 64 rows (K + 8 halves each): the chunk's w16 and w2h, loaded while the chunk's scores run, or
-// a superblock product PS (K rows). About 103 KB at K = V = 128.
-// NP query chunks a CTA (a warpgroup each, fwd_scan_chunks_per_cta): at K = 128 a CTA takes two (an even chunk c
-// and c + 1), which read the same key chunks below c, so that each tile loads once for both: half the tiles'
-// L2 traffic, -5% of this kernel (its latency, not L2, binds it; docs/cuda.md). Chunk c + 1 meets
-// chunk c first, alone (chunk c's warpgroup waits at the barriers). At K = 64 one chunk a CTA (three CTAs an SM
-// by registers; two chunks' A_loc would not fit the transport region).
+// 4 warps x 16 query rows = one 64-row chunk; registers hold qt, O, S and X. Two shared-memory stages of
+// (k~, v) tiles (the next chunk loads while this one computes) and one transport region (w16 and w2h of a
+// chunk, or a superblock product PS). NP query chunks a CTA (fwd_scan_chunks_per_cta): at K = 128 an even chunk
+// c and c + 1 share each key tile below c, halving its L2 traffic (docs/cuda.md); at K = 64 one, for 3 CTAs an SM.
 constexpr int kFwdThreads = 128;
 static_assert(kFwdThreads == kTileThreads, "load_tile_async assumes the scan kernels' block size");
 
@@ -28,6 +22,66 @@ struct FwdSmem {
   static constexpr size_t bytes = 2 * (size_t(kChunk) * LK * sizeof(T) + size_t(kChunk) * LV * sizeof(T) +
                                        size_t(kChunk) * LK * sizeof(__half) + kChunk * sizeof(float));
 };
+
+// Query rows rr of chunk qc into qt (fp32, zero past the sequence) and their gate times log2(e) into Gq.
+template <typename T, int K, bool kPlain>
+__device__ __forceinline__ void load_query_rows(const KernelParams& p, const ChunkDesc& ch, int qc, int hq,
+                                                int64_t tokq0, const int (&rr)[2], int nq, int t4, float gl2,
+                                                float (&qt)[K / 8][4], float (&Gq)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = rr[hr];
+    const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      float2 v2 = r < nq ? load_qstate<T, kPlain>(p, src, ch.b, ch.t0 + int64_t(qc) * kChunk + r, hq, 8 * nt + 2 * t4)
+                         : make_float2(0.f, 0.f);
+      qt[nt][2 * hr] = v2.x;
+      qt[nt][2 * hr + 1] = v2.y;
+    }
+    Gq[hr] = (p.gate && r < nq) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
+  }
+}
+
+// Scores of the diagonal chunk from A_loc (pitch LA): causal, scaled by log2(e), with the gate terms.
+template <int LA>
+__device__ __forceinline__ void diag_scores(float (&s)[8][4], const float* As, const float* Gks, const int (&rr)[2],
+                                            int nq, int t4, float sl2, float gl2, const float (&Gq)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
+      float val;
+      if (r < nq) {
+        val = c <= r ? As[r * LA + c] * sl2 + Gq[e >> 1] - Gks[c] * gl2 : -INFINITY;
+      } else {
+        val = c == 0 ? 0.f : -INFINITY;  // padding rows: finite, never stored
+      }
+      s[nt][e] = val;
+    }
+}
+
+// Split: the state fwd_far starts from (queries at the superblock's start, output so far, its lse).
+template <int K, int V>
+__device__ __forceinline__ void store_far_state(const KernelParams& p, int64_t tokq0, int hq, const int (&rr)[2],
+                                                int nq, int t4, const float (&qt)[K / 8][4],
+                                                const float (&o)[V / 8][4], const float (&m)[2],
+                                                const float (&l)[2]) {
+  for_fwd_rows(rr, nq, l, [&](int hr, int r, float lt) {
+    const float inv = 1.f / lt;
+    const int64_t row = (tokq0 + r) * p.HQ + hq;
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(p.qtl + row * K + 8 * nt + 2 * t4) =
+          Pack2<__half>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
+#pragma unroll
+    for (int nt = 0; nt < V / 8; ++nt)
+      *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =
+          make_float2(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
+    if (t4 == 0) p.lsefar[row] = m[hr] + log2f(lt);
+  });
+}
 
 template <typename T, int K, int V, int NP, bool kPlain>
 __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
@@ -58,9 +112,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   // With two warpgroups each loads half of every pair of tiles (the first warpgroup the first tile).
   const bool load_a = NP == 1 || wg == 0, load_b = NP == 1 || wg == 1;
 
-  // Superblocks: chunks [first, qc) are crossed one by one; chunks below `first` are read as ks and crossed
-  // a superblock at a time (PaTH only: plain attention has nothing to transport). The CTA's chunks share a
-  // superblock (p.sc is even).
+  // Chunks [first, qc) are crossed one by one, those below `first` read as ks and crossed a superblock at a time
+  // (PaTH only). The CTA's chunks share a superblock (p.sc is even).
   const int sc = p.sc;
   const int first = p.path ? (ch.c / sc) * sc : 0;
   // Split (p.ofar set): this kernel stops at the own superblock's start and fwd_far goes on from there.
@@ -86,26 +139,13 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   // Query state: chunk-start queries q~ (stored in fp16, held in fp32), rows past the sequence are zero.
   float qt[K / 8][4];
   float Gq[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = rr[hr];
-    const __half* src = p.qtl + ((tokq0 + r) * p.HQ + hq) * K;
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      float2 v2 = r < nq ? load_qstate<T, kPlain>(p, src, ch.b, ch.t0 + int64_t(qc) * kChunk + r, hq, 8 * nt + 2 * t4)
-                         : make_float2(0.f, 0.f);
-      qt[nt][2 * hr] = v2.x;
-      qt[nt][2 * hr + 1] = v2.y;
-    }
-    Gq[hr] = (p.gate && r < nq) ? p.G[(tokq0 + r) * p.HQ + hq] * gl2 : 0.f;
-  }
+  load_query_rows<T, K, kPlain>(p, ch, qc, hq, tokq0, rr, nq, t4, gl2, qt, Gq);
   float o[V / 8][4];
   zero_acc(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
 
-  // Diagonal chunks. Each warpgroup's A_loc rows (64 fp32 = 128 2-byte words a row, pitch 68 floats) are
-  // staged in the transport region, free until the loop's first barrier, with the values of the CTA's chunks
-  // (chunk kc in stage (top - kc) % 2; the keys of chunk c as well, which chunk c + 1 meets first).
+  // Diagonal chunks: each warpgroup's A_loc rows (pitch 68 floats) staged in the transport region (free until the
+  // loop's first barrier) with the CTA's chunks' values (chunk kc in stage (top - kc) % 2; chunk c's keys too).
   constexpr int LA = kChunk + 4;
   static_assert(NP * size_t(kChunk) * LA * 4 <= 2 * size_t(kChunk) * LK * sizeof(__half), "A_loc over Ws, W2s");
   const float* As = reinterpret_cast<const float*>(Ws) + wg * kChunk * LA;
@@ -122,19 +162,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     const T* Vst = Vs + st * kChunk * LV;
     const float* Gks = Gk + st * kChunk;
     float s[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = rr[e >> 1], c = 8 * nt + 2 * t4 + (e & 1);
-        float val;
-        if (r < nq) {
-          val = c <= r ? As[r * LA + c] * sl2 + Gq[e >> 1] - Gks[c] * gl2 : -INFINITY;
-        } else {
-          val = c == 0 ? 0.f : -INFINITY;  // padding rows: finite, never stored
-        }
-        s[nt][e] = val;
-      }
+    diag_scores<LA>(s, As, Gks, rr, nq, t4, sl2, gl2, Gq);
     softmax_step(s, m, l, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
   }
@@ -144,9 +172,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     const bool active = kc < qc;
     cp_async_wait_all();
     __syncthreads();
-    // The transport region is free (the previous transport finished before the barrier). A chunk crossed
-    // here has its w16 / w2h fetched now (first commit group, waited for after the scores); entering far
-    // superblock sb > 0 fetches its product, used after the superblock's last chunk.
+    // The transport region is free: a chunk crossed here fetches its w16 / w2h now (waited for after the scores);
+    // entering far superblock sb > 0 fetches its product, used after the superblock's last chunk.
     const bool far = kc < first;
     const bool cross_chunk = p.path && kc > 0 && !far;
     if (cross_chunk) {
@@ -203,20 +230,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     store_fwd_rows<T, V>(p, ch, qc, hq, rr, nq, o, m, l);
     return;
   }
-  // Split: the state fwd_far starts from (queries at the superblock's start, output so far, its lse).
-  for_fwd_rows(rr, nq, l, [&](int hr, int r, float lt) {
-    const float inv = 1.f / lt;
-    const int64_t row = (tokq0 + r) * p.HQ + hq;
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(p.qtl + row * K + 8 * nt + 2 * t4) =
-          Pack2<__half>::pack(qt[nt][2 * hr], qt[nt][2 * hr + 1]);
-#pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt)
-      *reinterpret_cast<float2*>(p.ofar + row * V + 8 * nt + 2 * t4) =
-          make_float2(o[nt][2 * hr] * inv, o[nt][2 * hr + 1] * inv);
-    if (t4 == 0) p.lsefar[row] = m[hr] + log2f(lt);
-  });
+  store_far_state<K, V>(p, tokq0, hq, rr, nq, t4, qt, o, m, l);
 }
 
 template <typename T, int K, int V>

@@ -22,19 +22,13 @@ __device__ __forceinline__ int chunk_rows(const ChunkDesc& ch) {
 //   A_loc = tril_incl(Q K^T - X U).
 // Writes w16, w2h (fp16), kt (dtype T) rows of the chunk, qtl (fp16), aloc (fp32) per query head, and in the
 // backward (p.E set) E (fp16 with a power of two a row: store_e).
-// q and k stay in their 16-bit type in shared memory (exact in tf32). Leading dims K + 4 (fp32) and
-// 68 keep the [row][k] fragment loads (A operands, B operands read transposed) free of bank conflicts; fp32
-// [k][col] reads (B operands as stored) are 2-way (measured: ~20% of the chunk kernels' shared wavefronts are
-// conflicts, docs/cuda.md); the 16-bit tiles (K + 8) are free in both patterns.
-// Shared memory fits two CTAs per SM at K = 128 (these kernels are latency-bound: a second item hides one's
-// barriers and loads): W2 is kept in fp16 (the w2h the scans use; the products that read it round it to tf32,
-// the same 10-bit mantissa), and W's fp32 tile, needed in fp32 only by the split-tf32 products A and W2, becomes
-// an fp16 tile once they are done, sharing its space with the query tile of the per-head products. At K = 64,
-// where two CTAs an SM are bounded by registers, not by shared memory, a second query tile (Qx) lets the query
-// heads' tiles load by cp.async while the CTA works: the first head's from the start, each next head's while
-// the current one's products run (the two tiles alternate).
-// Layout: the item's inputs (region 0 with W fp32 [64][LW], later W fp16 and Q [64][LT] each; Ks [64][LT]; beta
-// [64]: PrepSet), then W2 fp16 [64][LT], R1 and R2 fp32 [64][LC], and with kQx the second query tile.
+// q and k stay 16-bit in shared memory (exact in tf32); pitches K + 4 (fp32), 68 and K + 8 (16-bit) keep the
+// fragment loads free of bank conflicts (fp32 B operands read as stored are 2-way).
+// Shared memory fits two CTAs an SM at K = 128 (latency-bound: a second item hides one's barriers): W2 is kept in
+// fp16, and W's fp32 tile becomes fp16 once the split-tf32 products are done, sharing region 0 with the query tile.
+// At K = 64 (two CTAs bound by registers) a second query tile Qx lets the next head's queries load during a head.
+// Layout: PrepSet (region 0: W fp32 [64][LW], later W fp16 and Q [64][LT]; Ks [64][LT]; beta [64]), then W2 fp16
+// [64][LT], R1 and R2 fp32 [64][LC], and with kQx the second query tile.
 template <int K>
 struct PrepSmem {
   static constexpr int LW = K + 4, LT = K + 8, LC = kChunk + 4;
@@ -54,10 +48,9 @@ constexpr int prep_min_blocks(int K) { return K == 64 ? 2 : 1; }
 constexpr int prep_min_blocks(int) { return 2; }
 #endif
 
-// The item's inputs in shared memory (PrepSmem): region 0, the k tile, beta. They are staged (stage_prep_set)
-// apart from the item's work (chunk_prep_item), each side deriving the item's chunk and head itself, so that the
-// staging's addresses die at the barrier between them: ptxas spills at K = 128 76 / 128 -> 52 / 84 bytes,
-// chunk_prep -3% (docs/cuda.md).
+// The item's inputs in shared memory (PrepSmem): region 0, the k tile, beta. Staged (stage_prep_set) apart from
+// the item's work, each side deriving the item itself, so that the staging's addresses die at the barrier (fewer
+// spills at K = 128).
 template <typename T, int K>
 struct PrepSet {
   float* Wf;  // region 0 until Z
@@ -82,6 +75,55 @@ __device__ __forceinline__ void stage_prep_set(const KernelParams& p, int item, 
     const int r = threadIdx.x;
     const bool ok = r < nq && p.path;
     st.bs[r] = ok ? p.beta[ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
+  }
+}
+
+// W's fp32 tile -> its fp16 tile over the same region (every thread's reads before the barrier, its writes after).
+template <int K>
+__device__ __forceinline__ void w_to_half(const float* Wf, __half* Wh, int tid) {
+  constexpr int LW = PrepSmem<K>::LW, LT = PrepSmem<K>::LT;
+  constexpr int kPer = kChunk * K / 4 / kPrepThreads;
+  static_assert(kChunk * K / 4 % kPrepThreads == 0, "chunk_prep: W's conversion in whole steps");
+  float4 w[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = tid + i * kPrepThreads;
+    w[i] = *reinterpret_cast<const float4*>(Wf + (idx / (K / 4)) * LW + 4 * (idx % (K / 4)));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = tid + i * kPrepThreads;
+    *reinterpret_cast<uint2*>(Wh + (idx / (K / 4)) * LT + 4 * (idx % (K / 4))) =
+        make_uint2(Pack2<__half>::pack(w[i].x, w[i].y), Pack2<__half>::pack(w[i].z, w[i].w));
+  }
+}
+
+// A_loc = tril_incl(Q K^T - X U) (X in R2, U in R1) for query head hq: two passes into one accumulator, Q K^T
+// on 16-bit mma (q and k are exact in T), X U in tf32; staged in R2 once every warp is past X, stored as 16-byte rows.
+template <typename T, int K>
+__device__ __forceinline__ void store_aloc(const KernelParams& p, const T* Qc, const T* Ks, const float* R1,
+                                           float* R2, int64_t tok0, int hq, int nq, int tid) {
+  constexpr int LT = PrepSmem<K>::LT, LC = PrepSmem<K>::LC;
+  constexpr int kU = kTcUnroll(K);
+  {
+    using TA = TcTile<kChunk, kChunk>;
+    typename TA::Acc acc;
+    TA::zero(acc);
+    mma_tc_acc16<kChunk, kChunk, K>(acc, Qc, LT, Ks, LT, kFull.out_lower(0));
+    mma_tc_acc<kChunk, kChunk, kChunk, false, kU>(acc, a_rows(static_cast<const float*>(R2), LC),
+                                                  [&](int k, int c) { return -R1[k * LC + c]; },
+                                                  kFull.out_lower(0).kmax_r(0).kmin_c(1));
+    __syncthreads();
+    TA::each_pair(acc, [&](int r, int c, float& v, float& u) {
+      *reinterpret_cast<float2*>(R2 + r * LC + c) = make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
+    });
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nq * (kChunk / 4); idx += blockDim.x) {
+    const int r = idx / (kChunk / 4), c = 4 * (idx % (kChunk / 4));
+    *reinterpret_cast<float4*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
+        *reinterpret_cast<const float4*>(R2 + r * LC + c);
   }
 }
 
@@ -137,27 +179,9 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
   block_mm_tc<kChunk, kChunk, K, false, kU>(
       w_rk, b_rows(static_cast<const T*>(Ks), LT),
       [&](int r, int c, float v) { R1[r * LC + c] = c < r ? v : 0.f; }, kFull.out_lower(-1));
-  // W's fp32 tile -> its fp16 tile in region 0 (every thread's reads before the barrier, its writes after): the
-  // split products that need fp32 W are done, and the rest round it to tf32's 10-bit mantissa anyway. That frees
-  // the query tile's half of region 0, where the first query head's tile then loads by cp.async (K = 128; at
-  // K = 64 it is loading into Qx since the start) while U and k~ run.
-  {
-    constexpr int kPer = kChunk * K / 4 / kPrepThreads;
-    static_assert(kChunk * K / 4 % kPrepThreads == 0, "chunk_prep: W's conversion in whole steps");
-    float4 w[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int idx = tid + i * kPrepThreads;
-      w[i] = *reinterpret_cast<const float4*>(Wf + (idx / (K / 4)) * LW + 4 * (idx % (K / 4)));
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int idx = tid + i * kPrepThreads;
-      *reinterpret_cast<uint2*>(Wh + (idx / (K / 4)) * LT + 4 * (idx % (K / 4))) =
-          make_uint2(Pack2<__half>::pack(w[i].x, w[i].y), Pack2<__half>::pack(w[i].z, w[i].w));
-    }
-  }
+  // W to fp16 (the remaining products round it to tf32 anyway), freeing region 0's query half for the first head's
+  // tile (K = 128; at K = 64 it is loading into Qx) while U and k~ run.
+  w_to_half<K>(Wf, Wh, tid);
   if constexpr (!S::kQx) {
     stage_tile_async<K>(q_src, ch.b, h * p.group, Qs, LT, pos0, nq, q16);
     cp_async_commit();
@@ -169,9 +193,8 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
       kFull.kmax_r(0).kmin_c(1));
   __syncthreads();
   PA_PROBE(5);
-  // k~ = K - U^T W, staged in R2 (E is not read any more; X takes R2 only after the heads' first barrier), then
-  // stored with the fp16 copies of W and W2: 8-byte row-contiguous stores, where the product's epilogue would
-  // store element pairs through 64-bit addresses of their own (docs/cuda.md).
+  // k~ = K - U^T W, staged in R2 (E is dead; X takes R2 only after the heads' first barrier), then stored with
+  // W and W2 in fp16 as 8-byte row-contiguous stores.
   static_assert(sizeof(T) * kChunk * LT <= sizeof(float) * kChunk * LC, "chunk_prep: k~ staged in R2");
   T* Kst = reinterpret_cast<T*>(R2);
   block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(
@@ -221,8 +244,7 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
                                               kFull.out_lower(0));
     __syncthreads();
     PA_PROBE(8);
-    // q~ = Q - X W2. Plain attention's readers take q itself (load_qstate), so there the store is unread; skipping
-    // the product for it cost chunk_prep<T, 128> 8 / 12 bytes of spills on the transport's path (ptxas, sm_90a).
+    // q~ = Q - X W2 (unread by plain attention, but skipping it there spilled on the transport's path).
     block_mm_tc_pairs<kChunk, K, kChunk, false, kU>(a_rows(static_cast<const float*>(R2), LC),
         [&](int s, int d) { return __half2float(W2h[s * LT + d]); },
         [&](int r, int d, float v, float u) {
@@ -231,28 +253,7 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
                 Pack2<__half>::pack(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
-    // A_loc = tril_incl(Q K^T - X U): two passes into one accumulator, Q K^T on 16-bit mma (q and k are exact in
-    // T), X U in tf32; staged in R2 (X is not read once every warp is past the barrier), then stored as 16-byte
-    // rows.
-    {
-      using TA = TcTile<kChunk, kChunk>;
-      typename TA::Acc acc;
-      TA::zero(acc);
-      mma_tc_acc16<kChunk, kChunk, K>(acc, Qc, LT, Ks, LT, kFull.out_lower(0));
-      mma_tc_acc<kChunk, kChunk, kChunk, false, kU>(acc, a_rows(static_cast<const float*>(R2), LC),
-                                                    [&](int k, int c) { return -R1[k * LC + c]; },
-                                                    kFull.out_lower(0).kmax_r(0).kmin_c(1));
-      __syncthreads();
-      TA::each_pair(acc, [&](int r, int c, float& v, float& u) {
-        *reinterpret_cast<float2*>(R2 + r * LC + c) = make_float2(c <= r ? v : 0.f, c + 1 <= r ? u : 0.f);
-      });
-    }
-    __syncthreads();
-    for (int idx = tid; idx < nq * (kChunk / 4); idx += blockDim.x) {
-      const int r = idx / (kChunk / 4), c = 4 * (idx % (kChunk / 4));
-      *reinterpret_cast<float4*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
-          *reinterpret_cast<const float4*>(R2 + r * LC + c);
-    }
+    store_aloc<T, K>(p, Qc, Ks, R1, R2, tok0, hq, nq, tid);
   }
   PA_PROBE(9);
 }
