@@ -88,6 +88,21 @@ __device__ __forceinline__ ItemPos item_pos(const KernelParams& p, int item) {
   return {b, pos0, b * p.T + pos0};
 }
 
+// Phase probe (-DWG_PROBE): thread 0 of each item's warpgroup stamps clock64() at the end of each phase, for the
+// first kProbeItems items; the host prints the mean cycles a phase (run_shape, bench shapes).
+#ifdef WG_PROBE
+constexpr int kProbeItems = 4096, kProbeSlots = 8;
+__device__ long long g_wgp[kProbeItems][kProbeSlots];
+#define WGP(slot)                                                                                  \
+  do {                                                                                             \
+    if ((threadIdx.x & 127) == 0 && item < wgp::kProbeItems) wgp::g_wgp[item][slot] = clock64(); \
+  } while (0)
+#else
+#define WGP(slot) \
+  do {            \
+  } while (0)
+#endif
+
 __device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
@@ -272,6 +287,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kC, tok0 = ch.b * p.T + pos0;
   const T* qp = static_cast<const T*>(p.q);
   float* dbgi = kDbg && item < dbg_items ? dbg + int64_t(item) * dbg_floats<K>() : nullptr;
+  WGP(0);
 
   // ---- The group's query tiles toward L2 (read per head at the end); k, W, beta into shared memory; w16 out.
   {
@@ -341,6 +357,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
     fence_async_smem();
     wg_bar(bar);
   }
+  WGP(1);
 
   // ---- Z^T = strict_upper(K W^T) and A = strict_lower(diag(b) W W^T) (split: the cross terms first).
   uint32_t zf[4][4];  // Z^T (rows scaled by 1 / zc) as the U^T product's A operand
@@ -402,6 +419,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
       }
   }
   wg_bar(bar);  // A in place
+  WGP(2);
 
   // ---- E = (I + A)^-1 in place; then E diag(b) (hi, lo; rows scaled by 1 / fe) over it.
   wg_inverse_inplace(AE, LE, bar);
@@ -433,6 +451,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
     fence_async_smem();
     wg_bar(bar);
   }
+  WGP(3);
 
   // ---- U^T = Z^T (E diag(b))^T: A = Z^T's fragments, B = E diag(b) hi (K-major: row r, k = t).
   uint32_t uf[4][4];  // U^T (rows scaled by 1 / fuc) as the k~ product's A operand
@@ -460,6 +479,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
     if (dbgi) dbg_tile(dbgi + 3 * kC * kC, kC, accU, fuc);
     pack_frags<__half, 4>(uf, accU);
   }
+  WGP(4);
 
   // ---- W2 = E diag(b) W (split: cross terms, then hi x hi), both operands from shared memory: A = E diag(b)
   // hi / lo (K-major), B = W, W's residual (N-major: row s, n = d), 64 columns an accumulator. Kept in registers
@@ -542,6 +562,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
   }
   fence_async_smem();
   wg_bar(bar);
+  WGP(5);
 
   // ---- k~ = K - U^T W: A = U^T's fragments, B = W (N-major).
   {
@@ -571,6 +592,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
       }
   }
 
+  WGP(6);
   // ---- Per query head: X = tril_incl(Q W^T), A_loc = tril_incl(Q K^T - X U), q~ = Q - X W2; q as fp16 with row
   // factors fq (the A operand of X and Q K^T, and q~'s Q).
   for (int i = 0; i < p.group; ++i) {
@@ -665,6 +687,7 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
         }
     }
   }
+  WGP(7);
 #endif
 }
 
@@ -1050,6 +1073,23 @@ static int run_shape(const Shape& s, const Opts& o) {
     for (int v = 0; v < 3; ++v)
       std::printf("  time %-7s %.3f ms  %6.1f TFLOP/s (nominal)  %6.0f GB/s  %.2fx the library\n", vname[v], ts[v],
                   flops / (1e-3 * ts[v]) / 1e12, bytes / (1e-3 * ts[v]) / 1e9, tl / ts[v]);
+#ifdef WG_PROBE
+    // Mean cycles a phase of wg1's first items (thread 0 of the item's warpgroup; phases end at the stamps).
+    static long long tab[wgp::kProbeItems][wgp::kProbeSlots];
+    run_wg1();
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpyFromSymbol(tab, wgp::g_wgp, sizeof(tab)));
+    const int np = std::min(items, wgp::kProbeItems);
+    const char* ph[7] = {"loads: k, W, beta; w16 out", "Z^T, A (split)", "inverse, E diag(b) hi/lo",
+                         "U^T", "W2 (split), stores w2h", "k~ product, kt out", "query heads (X, A_loc, q~)"};
+    double sum[7] = {}, tot = 0;
+    for (int i = 0; i < np; ++i)
+      for (int j = 0; j < 7; ++j) sum[j] += double(tab[i][j + 1] - tab[i][j]);
+    for (int j = 0; j < 7; ++j) tot += sum[j];
+    std::printf("  phase probe (wg1, %d items, mean cycles an item; %.0f in all):\n", np, tot / np);
+    for (int j = 0; j < 7; ++j)
+      std::printf("    %-30s %8.0f  %5.1f%%\n", ph[j], sum[j] / np, 100.0 * sum[j] / std::max(tot, 1.0));
+#endif
   }
   for (Outs& x : out) {
     CK(cudaFree(x.w16));

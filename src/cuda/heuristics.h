@@ -43,6 +43,10 @@ namespace pathattn::cuda {
 #ifndef PATHATTN_CUDA_DG_SPLIT
 #define PATHATTN_CUDA_DG_SPLIT 0
 #endif
+// 1: the backward's far kernels with the gate at any length (else only past four superblocks of 512 tokens).
+#ifndef PATHATTN_CUDA_GATE_FAR_ANY_LEN
+#define PATHATTN_CUDA_GATE_FAR_ANY_LEN 0
+#endif
 
 // Chunk size C of the UT transform and the query / key tile of every kernel: one mma tile of 4 warps x 16 rows,
 // and the fp32 chunk kernels fit an A100's shared memory at K = 128.
@@ -108,7 +112,9 @@ constexpr bool longer_than_four_superblocks(int64_t longest) { return longest > 
 // one far superblock per query the split costs more than it saves.
 constexpr bool far_worth_it(int nsuper, int max_chunks, int sc) { return nsuper > 0 && max_chunks > 2 * sc; }
 // With the gate, the backward's far kernels pay only past 2048 tokens.
-constexpr bool bwd_far_with_gate(bool gate, int64_t longest) { return !gate || longer_than_four_superblocks(longest); }
+constexpr bool bwd_far_with_gate(bool gate, int64_t longest) {
+  return !gate || PATHATTN_CUDA_GATE_FAR_ANY_LEN != 0 || longer_than_four_superblocks(longest);
+}
 
 // Streams a sliced call may use: two, but one for a deterministic backward over sequences longer than four
 // superblocks (its dP sums run in a fixed order along each (sequence, kv head): one stream of larger slices is

@@ -1164,7 +1164,8 @@ TEST(CudaBackend, NarrowParamsStridedAndRefused) {
   fn.w.ndim = 4;
   fn.w.shape[3] = s.K;  // strides stay those of the [.., 2K] buffer
   fn.beta = vw(dbbuf);
-  fn.beta.shape[1] = s.T;  // every other token: strides stay those of the [B, 2T, H] buffer
+  fn.beta.shape[1] = s.T;  // every other token of the [B, 2T, H] buffer
+  fn.beta.stride[1] *= 2;
   ASSERT_TRUE(path_attn_fwd(fn).ok());
   ASSERT_TRUE(path_attn_fwd(fw).ok());
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
