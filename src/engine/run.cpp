@@ -48,6 +48,19 @@ void check_device(const RunConfig& c) {
 #endif
 }
 
+void count_exact(const int32_t* targets, const int32_t* pred, int64_t B, int64_t T, int64_t* scored, int64_t* exact) {
+  for (int64_t r = 0; r < B; ++r) {
+    bool any = false, all = true;
+    for (int64_t t = r * T; t < (r + 1) * T; ++t) {
+      if (targets[t] < 0) continue;
+      any = true;
+      all = all && pred[t] == targets[t];
+    }
+    *scored += any;
+    *exact += any && all;
+  }
+}
+
 template <typename M>
 json evaluate(M& model, const Task& task, int64_t batch) {
   if (batch < 1) throw EngineError("batch: expected at least 1 sequence per forward, got " + std::to_string(batch));
@@ -68,18 +81,7 @@ json evaluate(M& model, const Task& task, int64_t batch) {
       const bool want_pred = by_pos || exact;
       if (want_pred) pred.assign(size_t(b.B * b.T), -1);
       const StepStats st = model.forward(b.tokens.data(), b.targets.data(), b.B, b.T, want_pred ? pred.data() : nullptr);
-      if (exact) {
-        for (int64_t r = 0; r < b.B; ++r) {
-          bool any = false, all = true;
-          for (int64_t t = r * b.T; t < (r + 1) * b.T; ++t) {
-            if (b.targets[t] < 0) continue;
-            any = true;
-            all = all && pred[t] == b.targets[t];
-          }
-          seq_scored += any;
-          seq_exact += any && all;
-        }
-      }
+      if (exact) count_exact(b.targets.data(), pred.data(), b.B, b.T, &seq_scored, &seq_exact);
       loss_sum += st.loss * double(st.count);
       count += st.count;
       correct += st.correct;
