@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Writes tests/data/longctx_examples.json: reference examples of the long-context text tasks, printed by the
-engine (`pathattn tasks show --json`). test_engine_longctx checks the engine still produces them and
-python/tests/test_tasks.py checks the Python port against them.
+engine (`pathattn tasks show --json`): "examples", one whole example per case, and "hashes", the FNV-1a
+64-bit hash of the bytes (prompt + answer + padding) of test examples 0..HASHED-1 of each case.
+test_engine_longctx checks the engine still produces them and python/tests/test_tasks.py checks the Python
+port against them.
 
 Usage: python3 scripts/make_longctx_examples.py build/apps/pathattn > tests/data/longctx_examples.json
 """
@@ -31,20 +33,39 @@ CASES = [
 ]
 
 
+HASHED = 30
+
+
+def fnv1a64(data):
+    h = 0xCBF29CE484222325
+    for byte in data:
+        h = ((h ^ byte) * 0x100000001B3) & ((1 << 64) - 1)
+    return h
+
+
+def show(binary, settings, step, index):
+    cmd = [binary, "tasks", "show", settings["name"], "--json"]
+    for k, v in settings.items():
+        if k != "name":
+            cmd += ["--set", f"task.{k}={json.dumps(v)}"]
+    cmd += ["--step", str(step), "--row", str(index)] if step is not None else ["--index", str(index)]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    out = []
+    examples, hashes = [], []
     for settings, step, index in CASES:
-        cmd = [sys.argv[1], "tasks", "show", settings["name"], "--json"]
-        for k, v in settings.items():
-            if k != "name":
-                cmd += ["--set", f"task.{k}={json.dumps(v)}"]
-        cmd += ["--step", str(step), "--row", str(index)] if step is not None else ["--index", str(index)]
-        ex = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        out.append({"settings": settings, "seed": ex["seed"], "a": ex["a"], "b": ex["b"], "prompt": ex["prompt"],
-                    "answer": ex["answer"], "pad": ex["pad"]})
-    json.dump(out, sys.stdout, indent=1)
+        ex = show(sys.argv[1], settings, step, index)
+        examples.append({"settings": settings, "seed": ex["seed"], "a": ex["a"], "b": ex["b"],
+                         "prompt": ex["prompt"], "answer": ex["answer"], "pad": ex["pad"]})
+        fnv = []
+        for i in range(HASHED):
+            e = show(sys.argv[1], settings, None, i)
+            fnv.append("%016x" % fnv1a64((e["prompt"] + e["answer"]).encode("ascii") + bytes(e["pad"])))
+        hashes.append({"settings": settings, "seed": e["seed"], "a": e["a"], "fnv1a64": fnv})
+    json.dump({"examples": examples, "hashes": hashes}, sys.stdout, indent=1)
     sys.stdout.write("\n")
 
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -373,18 +374,36 @@ TEST(EngineLongCtx, PureFunctionOfSettingsSeedAndIndex) {
   }
 }
 
+uint64_t fnv1a64(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
 TEST(EngineLongCtx, MatchesTheReferenceExamples) {
   std::ifstream f(PATHATTN_SOURCE_DIR "/tests/data/longctx_examples.json");
   ASSERT_TRUE(f) << "tests/data/longctx_examples.json";
-  const nlohmann::json cases = nlohmann::json::parse(f);
-  ASSERT_GE(cases.size(), 10u);
-  for (const auto& k : cases) {
+  const nlohmann::json ref = nlohmann::json::parse(f);
+  ASSERT_GE(ref["examples"].size(), 10u);
+  for (const auto& k : ref["examples"]) {
     const RunConfig rc = parse_config(nlohmann::json{{"task", k["settings"]}});
     const TextExample ex = text_example(rc.task, k["seed"], k["a"], k["b"]);
     EXPECT_EQ(ex.prompt, k["prompt"].get<std::string>()) << k["settings"].dump();
     EXPECT_EQ(ex.answer, k["answer"].get<std::string>()) << k["settings"].dump();
     EXPECT_EQ(ex.pad, k["pad"].get<int64_t>()) << k["settings"].dump();
   }
+  int64_t hashed = 0;
+  for (const auto& k : ref["hashes"]) {
+    const RunConfig rc = parse_config(nlohmann::json{{"task", k["settings"]}});
+    for (size_t i = 0; i < k["fnv1a64"].size(); ++i, ++hashed) {
+      const TextExample ex = text_example(rc.task, k["seed"], k["a"], i);
+      char hex[17];
+      std::snprintf(hex, sizeof hex, "%016llx",
+                    (unsigned long long)fnv1a64(ex.prompt + ex.answer + std::string(size_t(ex.pad), '\0')));
+      EXPECT_EQ(std::string(hex), k["fnv1a64"][i].get<std::string>()) << k["settings"].dump() << " index " << i;
+    }
+  }
+  EXPECT_GE(hashed, 300);
 }
 
 template <typename F>
