@@ -1,4 +1,5 @@
-// apps/cmd_engine.cpp: the engine's subcommands: `pathattn train | eval | sample | repro {flipflop,a5,mqrar}`.
+// apps/cmd_engine.cpp: the engine's subcommands: `pathattn train | eval | sample | repro {flipflop,a5,mqrar} |
+// tasks show`.
 // Thin wrappers over src/engine (run.h, repro.h); every engine error is printed as "error: <message>" with
 // exit code 1.
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include "commands.h"
 #include "engine/config.h"
 #include "engine/embedded.h"
+#include "engine/longctx.h"
 #include "engine/repro.h"
 #include "engine/run.h"
 
@@ -79,6 +81,13 @@ struct SampleArgs {
   int tokens = 200, top_k = 0, threads = 0;
   double temperature = 1.0;
   uint64_t seed = 1;
+};
+
+struct ShowArgs {
+  std::string name;
+  std::vector<std::string> sets;
+  int64_t index = 0, step = -1, row = 0;
+  bool json = false;
 };
 
 struct ReproArgs {
@@ -205,6 +214,51 @@ void register_engine(CLI::App& app, int* exit_code) {
       const std::string s = sample_checkpoint(sa->checkpoint, sa->prompt, sa->tokens, sa->temperature, sa->top_k,
                                               sa->seed, sa->backend, sa->threads);
       std::printf("%s%s\n", sa->prompt.c_str(), s.c_str());
+    });
+  });
+
+  // tasks show
+  auto sh = std::make_shared<ShowArgs>();
+  CLI::App* tasks = app.add_subcommand("tasks", "Inspect the task generators (docs/tasks.md)");
+  tasks->require_subcommand(1);
+  CLI::App* show = tasks->add_subcommand("show", "Print one example of a long-context text task (niah, vartrack, "
+                                                 "phonebook, babi)");
+  show->add_option("name", sh->name, "Task name")->required();
+  show->add_option("--set", sh->sets, "Override a task key: task.key=value (repeatable)");
+  show->add_option("--index", sh->index, "Test example to print (default 0)")->check(non_negative_int());
+  show->add_option("--step", sh->step, "Print the training example of this step instead")->check(non_negative_int());
+  show->add_option("--row", sh->row, "Batch row of the training example (default 0)")->check(non_negative_int());
+  show->add_flag("--json", sh->json, "Print the example as JSON (prompt, answer, padding, inserted records)");
+  show->callback([sh, exit_code] {
+    guarded(exit_code, [&] {
+      json ov = overlay_from_sets(sh->sets);
+      ov["task"]["name"] = sh->name;
+      const RunConfig cfg = overlay_config(RunConfig(), ov);
+      if (!is_text_task(cfg.task.name))
+        throw EngineError("tasks show: \"" + sh->name + "\" is not one of niah, vartrack, phonebook, babi");
+      const bool train = sh->step >= 0;
+      const uint64_t seed = train ? cfg.train.seed : cfg.task.data_seed;
+      const uint64_t a = train ? uint64_t(sh->step) : 500, b = uint64_t(train ? sh->row : sh->index);
+      const TextExample ex = text_example(cfg.task, seed, a, b);
+      const int64_t L = int64_t(ex.prompt.size() + ex.answer.size()) + ex.pad;
+      if (sh->json) {
+        json items = json::array();
+        for (const Inserted& it : ex.items) items.push_back({it.offset, it.length, it.slot});
+        const json j = {{"task", cfg.task.name}, {"seed", seed}, {"a", a}, {"b", b}, {"prompt", ex.prompt},
+                        {"answer", ex.answer}, {"pad", ex.pad}, {"context_len", ex.context_len},
+                        {"n_sentences", ex.n_sentences}, {"items", items}};
+        std::printf("%s\n", j.dump().c_str());
+        return;
+      }
+      std::printf("# %s: %s example %lld (seed %llu), task.seq_len %lld\n", cfg.task.name.c_str(),
+                  train ? "training" : "test", (long long)(train ? sh->step : sh->index), (unsigned long long)seed,
+                  (long long)L);
+      std::printf("%s%s", ex.prompt.c_str(), ex.answer.c_str());
+      std::string shown;
+      for (char ch : ex.answer) shown += ch == '\n' ? std::string("\\n") : std::string(1, ch);
+      std::printf("# answer span: bytes [%zu, %zu), \"%s\"; %lld padding bytes follow; %lld haystack sentences, "
+                  "%zu inserted records\n", ex.prompt.size(), ex.prompt.size() + ex.answer.size(), shown.c_str(),
+                  (long long)ex.pad, (long long)ex.n_sentences, ex.items.size());
     });
   });
 

@@ -83,6 +83,18 @@ class Section {
     if (!ok) fail(key, "one of " + list, v);
     *out = s;
   }
+  void get(const char* key, std::vector<double>* out, double lo, double hi) {
+    if (!find(key)) return;
+    const json& v = j_.at(key);
+    std::ostringstream r;
+    r << "an array of numbers in [" << lo << ", " << hi << "]";
+    if (!v.is_array()) fail(key, r.str(), v);
+    out->clear();
+    for (const json& e : v) {
+      if (!e.is_number() || !(e.get<double>() >= lo && e.get<double>() <= hi)) fail(key, r.str(), v);
+      out->push_back(e.get<double>());
+    }
+  }
   void get(const char* key, std::vector<std::string>* out) {
     if (!find(key)) return;
     const json& v = j_.at(key);
@@ -137,7 +149,7 @@ void read_model(const json& j, ModelConfig* m) {
 
 void read_task(const json& j, TaskConfig* t) {
   Section s(j, "task");
-  s.get("name", &t->name, {"flipflop", "a5", "mqrar", "bytes"});
+  s.get("name", &t->name, {"flipflop", "a5", "mqrar", "bytes", "niah", "vartrack", "phonebook", "babi"});
   s.get("seq_len", &t->seq_len, 0, 1 << 20);
   s.get("p_train", &t->p_train, 0.0, 1.0);
   s.get("loss_on", &t->loss_on, {"read", "all"});
@@ -153,6 +165,15 @@ void read_task(const json& j, TaskConfig* t) {
   s.get("query_prob", &t->query_prob, 0.0, 1.0, true);
   s.get("files", &t->files);
   s.get("val_fraction", &t->val_fraction, 0.0, 0.9, true);
+  s.get("haystack", &t->haystack, {"filler", "text"});
+  s.get("niah_variant", &t->niah_variant, {"single", "multikey", "multivalue", "multiquery"});
+  s.get("n_needles", &t->n_needles, 0, 1024);
+  s.get("depths", &t->depths, 0.0, 1.0);
+  s.get("n_chains", &t->n_chains, 1, 1024);
+  s.get("n_hops", &t->n_hops, 1, 1024);
+  s.get("n_entries", &t->n_entries, 0, 1 << 20);
+  s.get("babi_task", &t->babi_task, 1, 3);
+  s.get("n_facts", &t->n_facts, 1, 1 << 20);
   s.get("data_seed", &t->data_seed);
   s.finish();
 }
@@ -308,7 +329,10 @@ json config_to_json(const RunConfig& c) {
                {"eval_sequences", t.eval_sequences}, {"min_len", t.min_len},
                {"curriculum_steps", t.curriculum_steps}, {"n_back", t.n_back}, {"n_keys", t.n_keys},
                {"n_values", t.n_values}, {"query_prob", t.query_prob}, {"files", t.files},
-               {"val_fraction", t.val_fraction}, {"data_seed", t.data_seed}};
+               {"val_fraction", t.val_fraction}, {"haystack", t.haystack}, {"niah_variant", t.niah_variant},
+               {"n_needles", t.n_needles}, {"depths", t.depths}, {"n_chains", t.n_chains}, {"n_hops", t.n_hops},
+               {"n_entries", t.n_entries}, {"babi_task", t.babi_task}, {"n_facts", t.n_facts},
+               {"data_seed", t.data_seed}};
   j["train"] = {{"steps", r.steps}, {"batch_size", r.batch_size}, {"lr", r.lr}, {"min_lr_ratio", r.min_lr_ratio},
                 {"warmup_steps", r.warmup_steps}, {"weight_decay", r.weight_decay}, {"beta1", r.beta1},
                 {"beta2", r.beta2}, {"adam_eps", r.adam_eps}, {"grad_clip", r.grad_clip}, {"seed", r.seed},

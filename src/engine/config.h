@@ -46,8 +46,8 @@ struct ModelConfig {
 };
 
 struct TaskConfig {
-  std::string name = "flipflop";  // flipflop | a5 | mqrar | bytes
-  int seq_len = 0;                // 0: task default (flipflop 512, a5 20, mqrar 768, bytes 256)
+  std::string name = "flipflop";  // flipflop | a5 | mqrar | bytes | niah | vartrack | phonebook | babi
+  int seq_len = 0;                // 0: task default (flipflop 512, a5 20, mqrar 768, bytes 256, others 1024)
   // flipflop
   double p_train = 0.8;           // FFL(p) of the training stream
   std::string loss_on = "read";   // "read": loss on the bit after each r only; "all": every next token
@@ -65,6 +65,15 @@ struct TaskConfig {
   // bytes
   std::vector<std::string> files;  // text files, concatenated in order
   double val_fraction = 0.1;       // last fraction of the bytes is the validation split
+  // long-context text tasks (niah, vartrack, phonebook, babi; docs/tasks.md)
+  std::string haystack = "filler";      // niah, vartrack, babi: "filler" (repeated noise) or "text" (prose)
+  std::string niah_variant = "single";  // single | multikey | multivalue | multiquery
+  int n_needles = 0;                    // niah: needles (0: 1 for single, 4 for the others)
+  std::vector<double> depths;           // niah: depth of needle i is depths[i % size] (empty: uniform slots)
+  int n_chains = 2, n_hops = 4;         // vartrack: chains (the first is asked) and hops per chain
+  int n_entries = 0;                    // phonebook: entries (0: as many as fit in seq_len)
+  int babi_task = 1;                    // babi: 1, 2, 3 supporting facts
+  int n_facts = 12;                     // babi: story sentences
   uint64_t data_seed = 1234;       // seeds the test sets (independent of the training seed)
 };
 

@@ -48,6 +48,19 @@ void check_device(const RunConfig& c) {
 #endif
 }
 
+void count_exact(const int32_t* targets, const int32_t* pred, int64_t B, int64_t T, int64_t* scored, int64_t* exact) {
+  for (int64_t r = 0; r < B; ++r) {
+    bool any = false, all = true;
+    for (int64_t t = r * T; t < (r + 1) * T; ++t) {
+      if (targets[t] < 0) continue;
+      any = true;
+      all = all && pred[t] == targets[t];
+    }
+    *scored += any;
+    *exact += any && all;
+  }
+}
+
 template <typename M>
 json evaluate(M& model, const Task& task, int64_t batch) {
   if (batch < 1) throw EngineError("batch: expected at least 1 sequence per forward, got " + std::to_string(batch));
@@ -58,14 +71,17 @@ json evaluate(M& model, const Task& task, int64_t batch) {
     if (sets[s].size <= 0) continue;
     double loss_sum = 0;
     int64_t count = 0, correct = 0;
-    const bool by_pos = task.reports_by_position(s);
+    const bool by_pos = task.reports_by_position(s), exact = task.reports_exact_match();
     std::vector<int64_t> pos_count, pos_correct;  // per position t of the model's input
+    int64_t seq_scored = 0, seq_exact = 0;        // sequences with scored positions; those all right
     std::vector<int32_t> pred;
     for (int64_t first = 0; first < sets[s].size; first += batch) {
       const int64_t n = std::min(batch, sets[s].size - first);
       task.eval_batch(s, first, n, &b);
-      if (by_pos) pred.assign(size_t(b.B * b.T), -1);
-      const StepStats st = model.forward(b.tokens.data(), b.targets.data(), b.B, b.T, by_pos ? pred.data() : nullptr);
+      const bool want_pred = by_pos || exact;
+      if (want_pred) pred.assign(size_t(b.B * b.T), -1);
+      const StepStats st = model.forward(b.tokens.data(), b.targets.data(), b.B, b.T, want_pred ? pred.data() : nullptr);
+      if (exact) count_exact(b.targets.data(), pred.data(), b.B, b.T, &seq_scored, &seq_exact);
       loss_sum += st.loss * double(st.count);
       count += st.count;
       correct += st.correct;
@@ -83,6 +99,7 @@ json evaluate(M& model, const Task& task, int64_t batch) {
     json r = {{"loss", count > 0 ? loss_sum / double(count) : 0.0}, {"accuracy", acc}, {"count", count},
               {"sequences", sets[s].size}};
     if (task.reports_error()) r["error"] = 1.0 - acc;
+    if (exact) r["exact_match"] = seq_scored > 0 ? double(seq_exact) / double(seq_scored) : 0.0;
     if (by_pos) {
       json bp = json::array();
       for (size_t t = 0; t < pos_count.size(); ++t)

@@ -45,9 +45,12 @@ RunResult train_run(const RunConfig& cfg, const RunOptions& opt);
 
 // Evaluates `model` (Model<float>, Model<double> or CudaModel) on every test set of `task`, `batch` sequences
 // at a time: {"<set>": {"loss": mean CE at scored positions, "accuracy": ..., "error": 1 - accuracy (flip-flop),
-// "count": n}}.
+// "count": n, "exact_match": fraction of sequences with every scored position right (text tasks)}}.
 template <typename M>
 nlohmann::json evaluate(M& model, const Task& task, int64_t batch);
+// Exact match of B rows of T positions: adds to *scored the rows with a scored position (targets >= 0) and
+// to *exact those whose every scored position has pred == target.
+void count_exact(const int32_t* targets, const int32_t* pred, int64_t B, int64_t T, int64_t* scored, int64_t* exact);
 
 // Evaluates a checkpoint on its own task's test sets: {"checkpoint", "step", "task", "attn", "device",
 // "eval": {...}}. device: "cpu" or "cuda"; empty: the checkpoint config's train.device. backend and threads

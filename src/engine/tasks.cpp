@@ -1,6 +1,8 @@
 // engine/tasks.cpp: generators of the engine's tasks (engine/tasks.h; formats in docs/tasks.md).
 #include "engine/tasks.h"
 
+#include "engine/longctx.h"
+
 #include <algorithm>
 #include <fstream>
 #include <numeric>
@@ -53,6 +55,7 @@ int default_seq_len(const std::string& task) {
   if (task == "flipflop") return 512;
   if (task == "a5") return 20;
   if (task == "mqrar") return 768;
+  if (is_text_task(task)) return 1024;
   return 256;
 }
 
@@ -315,6 +318,7 @@ std::unique_ptr<Task> make_task(const TaskConfig& c) {
     return std::make_unique<Mqrar>(c);
   }
   if (c.name == "bytes") return std::make_unique<Bytes>(c);
+  if (is_text_task(c.name)) return make_text_task(c);
   throw EngineError("task.name: unknown task \"" + c.name + "\"");
 }
 

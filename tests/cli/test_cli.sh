@@ -37,6 +37,10 @@ expect_fail "--tokens: expected an integer >= 0" sample "$ck" --tokens -3
 expect_fail "--top-k: expected an integer >= 0" sample "$ck" --top-k -2
 expect_fail "--seed: expected an integer >= 0" sample "$ck" --seed -1
 expect_fail "--max-layers" repro a5 --max-layers 0 --out "$dir/a5"
+expect_fail "task.seq_len" tasks show niah --set task.seq_len=50
+expect_fail "task.n_needles" tasks show niah --set task.n_needles=2
+expect_fail "not one of niah" tasks show a5
+expect_fail "--index" tasks show niah --index -1
 expect_fail "--seeds: expected an integer >= 0" repro flipflop --seeds 1,-2 --out "$dir/ff"
 expect_fail "--seed: expected an integer >= 0, got -1" check --seed -1
 expect_fail "--set train.steps: given more than once" train --set train.steps=3 --set train.steps=4 --out "$dir/t"
