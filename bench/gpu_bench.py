@@ -45,12 +45,19 @@ def set_workspace_limit(nbytes):
     LIB.pathattn_cuda_set_workspace_limit(ctypes.c_int64(nbytes))
 
 
+def dtype_code(q, w, beta, g):
+    """The C ABI's dtype argument: q's type in bits 0-1, then w, beta, g two bits each (0 fp32, 1 bf16, 2 fp16)."""
+    def pc(t):
+        return 0 if t is None or t.dtype == torch.float32 else 1 if t.dtype == torch.bfloat16 else 2
+    return (0 if q.dtype == torch.float16 else 1) | pc(w) << 2 | pc(beta) << 4 | pc(g) << 6
+
+
 def ours_fwd(q, k, v, w, beta, g, o, lse):
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[3]
     err = ctypes.create_string_buffer(512)
     rc = LIB.pathattn_cuda_fwd(ptr(q), ptr(k), ptr(v), ptr(w), ptr(beta), ptr(g), ptr(o), ptr(lse), B, T, HQ, H, K, V,
-                               0 if q.dtype == torch.float16 else 1, math.nan, math.nan, None, 0,
+                               dtype_code(q, w, beta, g), math.nan, math.nan, None, 0,
                                ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), err, 512)
     if rc != 0:
         raise RuntimeError(err.value.decode())
@@ -62,7 +69,7 @@ def ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg, determi
     err = ctypes.create_string_buffer(512)
     rc = LIB.pathattn_cuda_bwd(ptr(q), ptr(k), ptr(v), ptr(w), ptr(beta), ptr(g), ptr(o), ptr(lse), ptr(do), ptr(dq),
                                ptr(dk), ptr(dv), ptr(dw), ptr(dbeta), ptr(dg), B, T, HQ, H, K, V,
-                               0 if q.dtype == torch.float16 else 1, math.nan, math.nan, None, 0,
+                               dtype_code(q, w, beta, g), math.nan, math.nan, None, 0,
                                1 if deterministic else 0, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                                err, 512)
     if rc != 0:

@@ -28,6 +28,9 @@ def main():
                     help="K:T, B * T = 32768; K:T:g with the forget gate")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--runs", type=int, default=4, help="timed runs of each build a round")
+    ap.add_argument("--params", choices=["fp32", "bf16"], default="fp32",
+                    help="dtype of w, beta, g (and their gradients); bf16 adds a case: the first build with them cast "
+                         "to fp32 first and the gradients cast back, as autograd would")
     a = ap.parse_args()
     libs, names = [], []
     for path in a.libs:  # each in its own ctypes handle (RTLD_LOCAL): the builds' symbols do not meet
@@ -40,6 +43,8 @@ def main():
         HQ = 2048 // K
         B = max(1, 32768 // T)
         q, k, v, w, beta, g, do = gb.make_inputs(B, T, HQ, HQ, K, K, gate, seed=T + K)
+        if a.params == "bf16":
+            w, beta, g = (None if x is None else x.bfloat16() for x in (w, beta, g))
         o, lse, dq, dk, dv, dw, dbeta, dg = gb.make_outputs(q, k, v, w, beta, g)
 
         def case(i):
@@ -48,10 +53,28 @@ def main():
                 gb.ours_fwd(q, k, v, w, beta, g, o, lse)
                 gb.ours_bwd(q, k, v, w, beta, g, o, lse, do, dq, dk, dv, dw, dbeta, dg)
             return fb, None
-        rounds = gb.bench_rounds({i: case(i) for i in range(len(libs))}, a.rounds, a.runs, warmup_ms=10)
-        times = [[statistics.median(rnd) for rnd in rounds[i]] for i in range(len(libs))]
-        print(f"K {K} T {T}{' gate' if gate else ''} ({a.rounds} rounds)")
-        for i, name in enumerate(names):
+
+        def cast_first():
+            def fb():
+                gb.LIB = libs[0]
+                w32, b32, g32 = (None if x is None else x.float() for x in (w, beta, g))
+                o2, lse2, dq2, dk2, dv2, dw2, db2, dg2 = gb.make_outputs(q, k, v, w32, b32, g32)
+                gb.ours_fwd(q, k, v, w32, b32, g32, o, lse)
+                gb.ours_bwd(q, k, v, w32, b32, g32, o, lse, do, dq, dk, dv, dw2, db2, dg2)
+                for x, x2 in ((dw, dw2), (dbeta, db2), (dg, dg2)):
+                    if x is not None:
+                        x.copy_(x2)
+            return fb, None
+        cases = {i: case(i) for i in range(len(libs))}
+        labels = list(names)
+        if a.params == "bf16":
+            cases[len(libs)] = cast_first()
+            labels.append(names[0] + " (cast first)")
+        rounds = gb.bench_rounds(cases, a.rounds, a.runs, warmup_ms=10)
+        times = [[statistics.median(rnd) for rnd in rounds[i]] for i in range(len(cases))]
+        print(f"K {K} T {T}{' gate' if gate else ''}{' bf16 w/beta/g' if a.params == 'bf16' else ''} "
+              f"({a.rounds} rounds)")
+        for i, name in enumerate(labels):
             ratios = [t / t0 for t, t0 in zip(times[i], times[0])]
             print(f"  {name:36s} median {statistics.median(times[i]):7.3f} ms (min {min(times[i]):7.3f}, max "
                   f"{max(times[i]):7.3f}) | / {names[0]}: median {statistics.median(ratios):.4f} "

@@ -83,14 +83,14 @@ __global__ void __launch_bounds__(kTcThreads) chunk_prep_v3(KernelParams p) {
   for (int idx = tid; idx < C * K; idx += blockDim.x) {
     const int r = idx / K, d = idx % K;
     const bool ok = r < nq;
-    const float w = ok ? p.w[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
+    const float w = ok ? static_cast<const float*>(p.w)[ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d] : 0.f;
     WQ[r * LW + d] = w;
     WT[d * LC + r] = w;
     Wr[r * LW + d] = round_tf32(w);
     Kf[r * LW + d] = ok ? to_f(kp[ch.b * p.k_s[0] + (pos0 + r) * p.k_s[1] + h * p.k_s[2] + d]) : 0.f;
     if (ok) p.w16[((tok0 + r) * p.H + h) * K + d] = __float2half_rn(w);
   }
-  if (tid < C) bs[tid] = tid < nq ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
+  if (tid < C) bs[tid] = tid < nq ? static_cast<const float*>(p.beta)[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
   __syncthreads();
   // A = strict_lower(diag(b) W W^T) -> R1 (split).
   product<C, K, true>(WQ, LW, WQ, LW, [&](int r, int c, float v) { R1[r * LC + c] = c < r ? bs[r] * v : 0.f; });

@@ -334,12 +334,12 @@ __global__ void __launch_bounds__(128 * NWG, Smem<K>::kItemsPerSm / NWG)
     for (int i = 0; i < kW4; ++i) {
       const int idx = tid + 128 * i, r = idx / (K / 4), d = 4 * (idx % (K / 4));
       wv[i] = r < nq && p.path
-                  ? *reinterpret_cast<const float4*>(p.w + ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d)
+                  ? *reinterpret_cast<const float4*>(static_cast<const float*>(p.w) + ch.b * p.w_s[0] + (pos0 + r) * p.w_s[1] + h * p.w_s[2] + d)
                   : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (tid < kC) {
       const bool ok = tid < nq && p.path;
-      bs[tid] = ok ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
+      bs[tid] = ok ? static_cast<const float*>(p.beta)[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
     }
 #pragma unroll
     for (int i = 0; i < kW4; ++i) {

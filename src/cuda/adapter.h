@@ -12,6 +12,10 @@ namespace pathattn::cuda {
 
 void strides3(const TensorView& v, int64_t (&s)[3]);
 inline int dtype_code(DType d) { return d == DType::f16 ? 0 : 1; }
+// The kernels' code for a w / beta / g tensor's (or gradient's) dtype; absent tensors read as fp32.
+inline ParamDt param_dt(const TensorView& v) {
+  return v.dtype == DType::bf16 ? ParamDt::bf16 : v.dtype == DType::f16 ? ParamDt::f16 : ParamDt::f32;
+}
 
 // Fields shared by forward and backward.
 void fill_inputs(KernelParams& kp, const core::Problem& pr, const TensorView& q, const TensorView& k,

@@ -50,9 +50,12 @@ void fill_inputs(KernelParams& kp, const core::Problem& pr, const TensorView& q,
   strides3(q, kp.q_s);
   strides3(k, kp.k_s);
   strides3(v, kp.v_s);
-  kp.w = pr.path ? static_cast<const float*>(w.data) : nullptr;
-  kp.beta = pr.path ? static_cast<const float*>(beta.data) : nullptr;
-  kp.g = pr.gate ? static_cast<const float*>(g.data) : nullptr;
+  kp.w = pr.path ? w.data : nullptr;
+  kp.beta = pr.path ? beta.data : nullptr;
+  kp.g = pr.gate ? g.data : nullptr;
+  kp.w_dt = param_dt(w);
+  kp.beta_dt = param_dt(beta);
+  kp.g_dt = param_dt(g);
   if (pr.path) {
     strides3(w, kp.w_s);
     strides3(beta, kp.beta_s);
@@ -152,7 +155,7 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
 const char* supported_head_dims() { return "K, V in {64, 128}"; }
 
 // Entry points with fp32 w, beta, g (and dw, dbeta, dg); param_dtypes.cu converts other dtypes.
-Status fwd_f32(const PathFwdParams& p, const core::Problem& pr) {
+Status fwd(const PathFwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
@@ -161,7 +164,7 @@ Status fwd_f32(const PathFwdParams& p, const core::Problem& pr) {
   return run_sliced(p, pr, fwd_run);
 }
 
-Status bwd_f32(const PathBwdParams& p, const core::Problem& pr) {
+Status bwd(const PathBwdParams& p, const core::Problem& pr) {
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_row_copies(p.do_, "do"));

@@ -107,13 +107,16 @@ void bwd_fill(Bwd& b) {
   strides3(p.dk, kp.dk_s);
   strides3(p.dv, kp.dv_s);
   if (pr.path) {
-    kp.dw = static_cast<float*>(p.dw.data);
-    kp.dbeta = static_cast<float*>(p.dbeta.data);
+    kp.dw = p.dw.data;
+    kp.dbeta = p.dbeta.data;
+    kp.dw_dt = param_dt(p.dw);
+    kp.dbeta_dt = param_dt(p.dbeta);
     strides3(p.dw, kp.dw_s);
     strides3(p.dbeta, kp.dbeta_s);
   }
   if (pr.gate) {
-    kp.dg = static_cast<float*>(p.dg.data);
+    kp.dg = p.dg.data;
+    kp.dg_dt = param_dt(p.dg);
     strides3(p.dg, kp.dg_s);
   }
   kp.deterministic = p.deterministic;

@@ -7,13 +7,11 @@
 
 namespace pathattn::cuda {
 
-// fwd, bwd, prefill and decode (param_dtypes.cu) take w, beta, g (and dw, dbeta, dg) in any of those dtypes:
-// 16-bit ones are converted to fp32 copies at entry (gradients back at exit), then the *_f32 entry points
-// below run, which read and write them in fp32 only.
+// fwd and bwd (backend.cu) take w, beta, g (and dw, dbeta, dg) in any of those dtypes: the kernels that read or
+// write them do so in the tensor's own dtype (KernelParams::w_dt and the rest), computing in fp32. prefill and
+// decode (param_dtypes.cu) convert 16-bit ones to fp32 copies at entry, then the *_f32 entry points run.
 Status fwd(const PathFwdParams& p, const core::Problem& pr);
 Status bwd(const PathBwdParams& p, const core::Problem& pr);
-Status fwd_f32(const PathFwdParams& p, const core::Problem& pr);  // backend.cu
-Status bwd_f32(const PathBwdParams& p, const core::Problem& pr);
 
 // Prefill and decode on a device cache (kernels/decode.cu), called by the entries in api/decode.cpp after
 // their validation. Same dtypes and head dims as the forward.

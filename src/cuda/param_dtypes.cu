@@ -1,7 +1,7 @@
-// cuda/param_dtypes.cu: w, beta and g in bfloat16 / float16 at the CUDA backend's entry points. The kernels read
-// fp32 w, beta, g; a 16-bit one is converted once into a dense fp32 copy on the call's stream (one pass, what a
-// caller's own cast would cost), and dw, dbeta, dg are written in fp32 and converted back into the caller's
-// dtype. fp32 tensors pass through untouched: no copy, no extra launch.
+// cuda/param_dtypes.cu: w, beta and g in bfloat16 / float16 at prefill and decode on a device cache. The cache
+// kernels read fp32 w, beta, g; a 16-bit one is converted once into a dense fp32 copy on the call's stream. fp32
+// tensors pass through untouched: no copy, no extra launch. (The forward and backward read and write these
+// tensors in their own dtype: KernelParams::w_dt and the rest.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -99,52 +99,9 @@ Status f32_input(const TensorView& x, Workspace& ws, cudaStream_t s, TensorView*
   return convert(x, *out, s);
 }
 
-// The fp32 view the kernels write for gradient x: x itself when fp32 or absent, else a buffer in ws that
-// f32_result converts back.
-Status f32_output(const TensorView& x, Workspace& ws, TensorView* out) {
-  *out = x;
-  if (!x.present() || x.dtype == DType::f32) return Status::Ok();
-  return f32_buffer(x, ws, out);
-}
-
-Status f32_result(const TensorView& tmp, const TensorView& x, cudaStream_t s) {
-  if (tmp.data == x.data) return Status::Ok();
-  return convert(tmp, x, s);
-}
-
 bool is_f32(const TensorView& x) { return !x.present() || x.dtype == DType::f32; }
 
 }  // namespace
-
-Status fwd(const PathFwdParams& p, const core::Problem& pr) {
-  if (is_f32(p.w) && is_f32(p.beta) && is_f32(p.g)) return fwd_f32(p, pr);
-  PA_TRY(check_support(pr, p.q.dtype));  // refuse before converting anything
-  cudaStream_t s = static_cast<cudaStream_t>(p.stream);
-  Workspace ws(s);  // freed stream-ordered after the kernels that read it
-  PathFwdParams c = p;
-  PA_TRY(f32_input(p.w, ws, s, &c.w));
-  PA_TRY(f32_input(p.beta, ws, s, &c.beta));
-  PA_TRY(f32_input(p.g, ws, s, &c.g));
-  return fwd_f32(c, pr);
-}
-
-Status bwd(const PathBwdParams& p, const core::Problem& pr) {
-  if (is_f32(p.w) && is_f32(p.beta) && is_f32(p.g)) return bwd_f32(p, pr);  // then dw, dbeta, dg are fp32 too
-  PA_TRY(check_support(pr, p.q.dtype));
-  cudaStream_t s = static_cast<cudaStream_t>(p.stream);
-  Workspace ws(s);
-  PathBwdParams c = p;
-  PA_TRY(f32_input(p.w, ws, s, &c.w));
-  PA_TRY(f32_input(p.beta, ws, s, &c.beta));
-  PA_TRY(f32_input(p.g, ws, s, &c.g));
-  PA_TRY(f32_output(p.dw, ws, &c.dw));
-  PA_TRY(f32_output(p.dbeta, ws, &c.dbeta));
-  PA_TRY(f32_output(p.dg, ws, &c.dg));
-  PA_TRY(bwd_f32(c, pr));
-  PA_TRY(f32_result(c.dw, p.dw, s));
-  PA_TRY(f32_result(c.dbeta, p.dbeta, s));
-  return f32_result(c.dg, p.dg, s);
-}
 
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots) {
   const PathFwdParams& f = p.fwd;

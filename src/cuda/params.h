@@ -28,6 +28,10 @@ struct ChunkDesc {
   int32_t sfirst;  // index (in the superblock table) of the sequence's superblock 0
 };
 
+// The element type of w, beta, g and of their gradients: the kernels read and write these in the caller's dtype
+// and compute in fp32 (load_param / store_param, device/types.cuh).
+enum class ParamDt : uint8_t { f32 = 0, bf16 = 1, f16 = 2 };
+
 // Item counters of the backward's persistent kernels (KernelParams::counters).
 inline constexpr int kBwdCounters = 5;
 
@@ -45,7 +49,8 @@ struct KernelParams {
   // Inputs (element strides for dims b, t, h; the last dim is contiguous).
   const void *q, *k, *v;
   int64_t q_s[3], k_s[3], v_s[3];
-  const float *w, *beta, *g;
+  const void *w, *beta, *g;
+  ParamDt w_dt, beta_dt, g_dt;
   int64_t w_s[3], beta_s[3], g_s[3];
   // Forward outputs / backward inputs.
   void* o;
@@ -57,7 +62,8 @@ struct KernelParams {
   // Backward outputs.
   void *dq, *dk, *dv;
   int64_t dq_s[3], dk_s[3], dv_s[3];
-  float *dw, *dbeta, *dg;
+  void *dw, *dbeta, *dg;
+  ParamDt dw_dt, dbeta_dt, dg_dt;
   int64_t dw_s[3], dbeta_s[3], dg_s[3];
 
   // Chunk table (device) and the order in which the scan kernels take chunks (most work first).

@@ -150,22 +150,36 @@ __device__ __forceinline__ void stage_tile_async(const TileSrc<E>& a, int64_t a0
   }
 }
 
-// A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (fp32, into Wf, leading dim lw) of kv
-// head h, rows from position pos0 of batch row b; rows >= nq and (without the transport) w are zero. With
-// `async`, by stage_tile_async (not committed), each tile whose rows allow it.
-template <int K, class P, typename T>
-__device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
-                                               float* Wf, int lw, bool async = false) {
+// A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (W: p.w's element type, converted to fp32
+// into Wf, leading dim lw) of kv head h, rows from position pos0 of batch row b; rows >= nq and (without the
+// transport) w are zero. With `async`, by stage_tile_async (not committed), each tile whose rows allow it (a 16-bit
+// w is converted on the way, so it is staged at once).
+template <int K, typename W, class P, typename T>
+__device__ __forceinline__ void stage_chunk_kw_as(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
+                                                  float* Wf, int lw, bool async) {
   const T* kp = static_cast<const T*>(p.k);
+  const W* wp = p.path ? static_cast<const W*>(p.w) : nullptr;
   const TileSrc<T> ks{kp, p.k_s[0], p.k_s[1], p.k_s[2], vec4_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2])};
-  const TileSrc<float> ws{p.path ? p.w : nullptr, p.w_s[0], p.w_s[1], p.w_s[2],
-                             vec4_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2])};
+  const TileSrc<W> ws{wp, p.w_s[0], p.w_s[1], p.w_s[2], vec4_ok(wp, p.w_s[0], p.w_s[1], p.w_s[2])};
   if (async) {
     stage_tile_async<K>(ks, b, h, Ks, lt, pos0, nq, vec16_ok(kp, p.k_s[0], p.k_s[1], p.k_s[2]));
-    stage_tile_async<K>(ws, b, h, Wf, lw, pos0, nq, vec16_ok(p.w, p.w_s[0], p.w_s[1], p.w_s[2]));
+    if constexpr (std::is_same_v<W, float>)
+      stage_tile_async<K>(ws, b, h, Wf, lw, pos0, nq, vec16_ok(wp, p.w_s[0], p.w_s[1], p.w_s[2]));
+    else
+      stage_tile4<K>(ws, b, h, Wf, lw, pos0, nq);
   } else {
     stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
   }
+}
+template <int K, class P, typename T>
+__device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
+                                               float* Wf, int lw, bool async = false) {
+  if (p.w_dt == ParamDt::bf16)
+    stage_chunk_kw_as<K, __nv_bfloat16>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
+  else if (p.w_dt == ParamDt::f16)
+    stage_chunk_kw_as<K, __half>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
+  else
+    stage_chunk_kw_as<K, float>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
 }
 
 // One warp: acc (a 16 x 8 C fragment) += A B over an inner dimension KD, both operands fp32 in shared memory

@@ -105,4 +105,28 @@ __device__ __forceinline__ void store2(float* dst, float a, float b, bool pair) 
   }
 }
 
+// Element i of a w / beta / g tensor (or of its gradient) in the caller's dtype dt, as fp32: the kernels read and
+// write these tensors where they are, with no converted copy (the branch is uniform across the grid).
+__device__ __forceinline__ float load_param(const void* x, ParamDt dt, int64_t i) {
+  if (dt == ParamDt::bf16) return __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]);
+  if (dt == ParamDt::f16) return __half2float(static_cast<const __half*>(x)[i]);
+  return static_cast<const float*>(x)[i];
+}
+__device__ __forceinline__ void store_param(void* x, ParamDt dt, int64_t i, float v) {
+  if (dt == ParamDt::bf16) static_cast<__nv_bfloat16*>(x)[i] = __float2bfloat16_rn(v);
+  else if (dt == ParamDt::f16) static_cast<__half*>(x)[i] = __float2half_rn(v);
+  else static_cast<float*>(x)[i] = v;
+}
+// Elements i, i + 1 (pair: aligned for one store, vec2_ok in dt's element type) of a gradient in dtype dt.
+__device__ __forceinline__ void store_param2(void* x, ParamDt dt, int64_t i, float a, float b, bool pair) {
+  if (dt == ParamDt::bf16) store2(static_cast<__nv_bfloat16*>(x) + i, a, b, pair);
+  else if (dt == ParamDt::f16) store2(static_cast<__half*>(x) + i, a, b, pair);
+  else store2(static_cast<float*>(x) + i, a, b, pair);
+}
+// vec2_ok for a w / beta / g gradient of dtype dt.
+__host__ __device__ __forceinline__ bool vec2_ok_param(const void* x, ParamDt dt, int64_t s0, int64_t s1, int64_t s2) {
+  const int64_t bytes = dt == ParamDt::f32 ? 8 : 4;
+  return reinterpret_cast<uintptr_t>(x) % bytes == 0 && s0 % 2 == 0 && s1 % 2 == 0 && s2 % 2 == 0;
+}
+
 }  // namespace pathattn::cuda

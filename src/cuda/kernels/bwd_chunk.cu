@@ -159,7 +159,9 @@ struct BwdChunk {
     }
     cp_async_commit();
     if (tid < kChunk) {
-      bs[tid] = tid < nq && p.path ? p.beta[ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
+      bs[tid] = tid < nq && p.path
+                    ? load_param(p.beta, p.beta_dt, ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2])
+                    : 0.f;
       dbs[tid] = 0.f;
     }
     cp_async_wait_group<4>();  // G0
@@ -435,11 +437,13 @@ struct BwdChunk {
       if (r < nq) store2(dkp + ch.b * p.dk_s[0] + (pos0 + r) * p.dk_s[1] + h * p.dk_s[2] + d, v, u, dk_pair);
     });
     if (p.path) {
-      const bool dw_pair = vec2_ok(p.dw, p.dw_s[0], p.dw_s[1], p.dw_s[2]);
+      const bool dw_pair = vec2_ok_param(p.dw, p.dw_dt, p.dw_s[0], p.dw_s[1], p.dw_s[2]);
       TK::each_pair(dWa, [&](int r, int d, float& v, float& u) {
-        if (r < nq) store2(p.dw + ch.b * p.dw_s[0] + (pos0 + r) * p.dw_s[1] + h * p.dw_s[2] + d, v, u, dw_pair);
+        if (r < nq)
+          store_param2(p.dw, p.dw_dt, ch.b * p.dw_s[0] + (pos0 + r) * p.dw_s[1] + h * p.dw_s[2] + d, v, u, dw_pair);
       });
-      if (tid < nq) p.dbeta[ch.b * p.dbeta_s[0] + (pos0 + tid) * p.dbeta_s[1] + h * p.dbeta_s[2]] = dbs[tid];
+      if (tid < nq)
+        store_param(p.dbeta, p.dbeta_dt, ch.b * p.dbeta_s[0] + (pos0 + tid) * p.dbeta_s[1] + h * p.dbeta_s[2], dbs[tid]);
     }
     PA_PROBE(15);
   }

@@ -29,7 +29,7 @@ __global__ void bwd_dg_kernel(KernelParams p, const int32_t* seq_first, int nseq
       if (lane >= o) x += y;
     }
     x += carry;
-    if (t < ch.len) p.dg[ch.b * p.dg_s[0] + (ch.t0 + t) * p.dg_s[1] + hq * p.dg_s[2]] = x;
+    if (t < ch.len) store_param(p.dg, p.dg_dt, ch.b * p.dg_s[0] + (ch.t0 + t) * p.dg_s[1] + hq * p.dg_s[2], x);
     carry = __shfl_sync(0xffffffffu, x, 31);
   }
 }

@@ -364,7 +364,7 @@ Status prefill_f32(const PathPrefillParams& p, const core::Problem& pr, const st
   }
   const int64_t N = int64_t(slots.size());
   if (N * pr.H > int64_t(1) << 30) return unsupported("cache.kc: too many (slot, kv head) pairs for the cuda prefill");
-  if (!pr.seqs.empty()) PA_TRY(fwd_f32(p.fwd, pr));  // o and lse
+  if (!pr.seqs.empty()) PA_TRY(fwd(p.fwd, pr));  // o and lse
   if (N == 0) return Status::Ok();
 
   cudaStream_t s = static_cast<cudaStream_t>(p.fwd.stream);

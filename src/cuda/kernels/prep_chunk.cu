@@ -74,7 +74,8 @@ __device__ __forceinline__ void stage_prep_set(const KernelParams& p, int item, 
   if (threadIdx.x < kChunk) {
     const int r = threadIdx.x;
     const bool ok = r < nq && p.path;
-    st.bs[r] = ok ? p.beta[ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]] : 0.f;
+    st.bs[r] = ok ? load_param(p.beta, p.beta_dt, ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2])
+                  : 0.f;
   }
 }
 
@@ -294,7 +295,7 @@ __global__ void gate_cumsum_kernel(KernelParams p, const int32_t* seq_first, int
   float carry = 0.f;
   for (int base = 0; base < ch.len; base += 32) {
     const int t = base + lane;
-    float x = t < ch.len ? p.g[ch.b * p.g_s[0] + (ch.t0 + t) * p.g_s[1] + hq * p.g_s[2]] : 0.f;
+    float x = t < ch.len ? load_param(p.g, p.g_dt, ch.b * p.g_s[0] + (ch.t0 + t) * p.g_s[1] + hq * p.g_s[2]) : 0.f;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const float y = __shfl_up_sync(0xffffffffu, x, o);
