@@ -193,8 +193,7 @@ Status bwd_plan_far(Bwd& b) {
   KernelParams& kp = b.kp;
   const Tables& t = b.t;
   const size_t H = b.H, HQ = b.HQ, K = b.K;
-  const bool far =
-      far_worth_it(kp.nsuper, t.max_chunks, kp.sc) && bwd_far_with_gate(pr.gate, longest_seq(pr));
+  const bool far = far_worth_it(kp.nsuper, t.max_chunks, kp.sc);
   if (far && bwd_q_far_usable(kp)) {
     b.qfar_tiles = far_query_tiles(t, kp.sc);
   }

@@ -43,10 +43,6 @@ namespace pathattn::cuda {
 #ifndef PATHATTN_CUDA_DG_SPLIT
 #define PATHATTN_CUDA_DG_SPLIT 0
 #endif
-// 1: the backward's far kernels with the gate at any length (else only past four superblocks of 512 tokens).
-#ifndef PATHATTN_CUDA_GATE_FAR_ANY_LEN
-#define PATHATTN_CUDA_GATE_FAR_ANY_LEN 0
-#endif
 
 // Chunk size C of the UT transform and the query / key tile of every kernel: one mma tile of 4 warps x 16 rows,
 // and the fp32 chunk kernels fit an A100's shared memory at K = 128.
@@ -104,17 +100,13 @@ constexpr int bwd_super_chunks(int64_t longest, int K, int V, bool gate, bool de
   return kSuperChunks;
 }
 
-// Whether some sequence is longer than four superblocks of kSuperChunks (2048 tokens): the backward's far kernels
-// with the gate and a deterministic backward's stream count turn on it.
+// Whether some sequence is longer than four superblocks of kSuperChunks (2048 tokens): a deterministic backward's
+// stream count turns on it.
 constexpr bool longer_than_four_superblocks(int64_t longest) { return longest > int64_t(4) * kSuperChunks * kChunk; }
 
 // The far kernels (Hopper, sm_90a builds) run only where some sequence has more than two superblocks: with at most
 // one far superblock per query the split costs more than it saves.
 constexpr bool far_worth_it(int nsuper, int max_chunks, int sc) { return nsuper > 0 && max_chunks > 2 * sc; }
-// With the gate, the backward's far kernels pay only past 2048 tokens.
-constexpr bool bwd_far_with_gate(bool gate, int64_t longest) {
-  return !gate || PATHATTN_CUDA_GATE_FAR_ANY_LEN != 0 || longer_than_four_superblocks(longest);
-}
 
 // Streams a sliced call may use: two, but one for a deterministic backward over sequences longer than four
 // superblocks (its dP sums run in a fixed order along each (sequence, kv head): one stream of larger slices is
