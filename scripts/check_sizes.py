@@ -17,7 +17,6 @@ EXTS = (".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".cu")
 # Functions over the limit not yet split (path:function): reported, not failed. Remove an entry once it is split.
 ALLOWED = {
     "src/cuda/kernels/bwd_k_far.cu:bwd_k_far_kernel",
-    "src/cuda/kernels/bwd_q_item.cuh:run",
 }
 
 
