@@ -17,10 +17,10 @@ elseif(PATHATTN_BLAS STREQUAL "scipy-openblas")
     execute_process(
       COMMAND "${Python_EXECUTABLE}" -c
               "import os, scipy_openblas32 as s; print(os.path.dirname(s.__file__)); print(s.__version__)"
-      OUTPUT_VARIABLE _out OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc ERROR_VARIABLE _err)
+      OUTPUT_VARIABLE _out OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc ERROR_QUIET)
     if(NOT _rc EQUAL 0)
-      message(FATAL_ERROR "PATHATTN_BLAS=scipy-openblas: ${Python_EXECUTABLE} cannot import scipy_openblas32 "
-        "(${_err}). Install the version pyproject.toml pins (pip install scipy-openblas32==...), set "
+      message(FATAL_ERROR "PATHATTN_BLAS=scipy-openblas: ${Python_EXECUTABLE} cannot import scipy_openblas32. "
+        "Install the version pyproject.toml pins (pip install scipy-openblas32==...), set "
         "PATHATTN_SCIPY_OPENBLAS_DIR to its package folder, or build with PATHATTN_BLAS=system.")
     endif()
     string(REPLACE "\n" ";" _out "${_out}")
