@@ -1,9 +1,7 @@
 // apps/cmd_bench.cpp: `pathattn bench`: the CPU speed ratios of issue 2 from one run (docs/benchmarks.md, "CPU").
 // fp32, B = 1, HQ = H = heads, K = V: the fp64 oracle forward, the fast PaTH forward and forward+backward,
 // the library's plain causal attention (same op, w and beta absent) forward and forward+backward, and a
-// large cblas_sgemm on the same BLAS and thread count. Prints medians, effective GFLOP/s and the ratios.
-#include <cblas.h>
-
+// large sgemm on the same BLAS and thread count. Prints medians, effective GFLOP/s and the ratios.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +17,7 @@
 
 #include "commands.h"
 #include "check/harness.h"
+#include "cpu/blas.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -171,10 +170,9 @@ int run_bench(const BenchArgs& a) {
     const int omp_before = omp_get_max_threads();
     omp_set_num_threads(a.threads);
 #endif
-    openblas_set_num_threads(a.threads);
+    cpu::set_blas_threads(a.threads);
     time_row(&rows[5], a.reps, true, [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(n), int(n), 1.0f, A.data(), int(n),
-                  B.data(), int(n), 0.0f, C.data(), int(n));
+      cpu::gemm(false, false, n, n, n, 1.0f, A.data(), n, B.data(), n, 0.0f, C.data(), n);
       return Status::Ok();
     });
 #ifdef _OPENMP
@@ -194,7 +192,7 @@ int run_bench(const BenchArgs& a) {
     nlohmann::json j;
     j["config"] = {{"threads", a.threads}, {"T", a.T}, {"K", a.K}, {"V", a.K}, {"heads", a.heads}, {"B", 1},
                    {"dtype", "float32"}, {"reps", a.reps}, {"oracle_reps", a.oracle_reps}, {"gemm_n", a.gemm_n},
-                   {"build", build_info()}, {"cpu", cpu_model()}, {"openblas", openblas_get_config()}};
+                   {"build", build_info()}, {"cpu", cpu_model()}, {"openblas", cpu::blas_config()}};
     auto num = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); };
     for (const Row& r : rows) {
       j["rows"].push_back({{"name", r.name}, {"median_ms", num(r.ms)}, {"gflops", num(r.gflops())},
@@ -210,8 +208,8 @@ int run_bench(const BenchArgs& a) {
 
   std::printf("pathattn bench: fp32, B = 1, T = %lld, HQ = H = %lld, K = V = %lld, %d threads, median of %d "
               "(oracle: %d)\n", (long long)a.T, (long long)a.heads, (long long)a.K, a.threads, a.reps, a.oracle_reps);
-  std::printf("cpu: %s; backends: %s; BLAS: %s (kernel %s)\n", cpu_model().c_str(), build_info().c_str(), openblas_get_config(),
-              openblas_get_corename());
+  std::printf("cpu: %s; backends: %s; BLAS: %s (kernel %s)\n", cpu_model().c_str(), build_info().c_str(), cpu::blas_config(),
+              cpu::blas_corename());
   std::printf("effective FLOPs: attention forward 4*HQ*T^2*K/2 = %.2f GFLOP, forward+backward 3.5x that\n\n",
               attn_gflop);
   std::printf("%-32s %12s %10s\n", "", "median ms", "GFLOP/s");

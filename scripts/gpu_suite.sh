@@ -7,9 +7,10 @@
 # Then the Python package's GPU tests (python/tests/test_gpu.py: parity with flash-linear-attention, CUDA
 # opcheck / torch.compile, prefill and decode on the GPU) with a pathattn wheel built with the CUDA backend for
 # this machine's Python: one found in .whl/ (or WHEELS), else built here (sm_90a) when WHEELS/build holds the
-# build backend's wheels (scikit-build-core, nanobind and their dependencies; a GPU machine without a package
-# index gets them that way: `pip download -d .whl/build scikit-build-core==1.1.2 nanobind==3.1.0`, plus
-# cmake and ninja where the machine has none). The wheel
+# build backend's wheels (scikit-build-core, nanobind, scipy-openblas32 and their dependencies; a GPU machine
+# without a package index gets them that way: `pip download -d .whl/build scikit-build-core==1.1.2
+# nanobind==3.1.0 scipy-openblas32==0.3.34.481.3` (pyproject.toml's pins), plus cmake and ninja where the
+# machine has none). The wheel
 # is installed with the fla wheels found there into a private target directory. A wheel built beforehand on another
 # machine with the GPU machine's Python version (`pip wheel . -Ccmake.define.PATHATTN_CUDA=ON
 # "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"`) and put in .whl/ saves that build;
@@ -174,12 +175,13 @@ if [ "$BENCH" = 1 ]; then
 fi
 WHEELS=${WHEELS:-.whl}
 PYTAG=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-WHEEL=$(ls "$WHEELS"/pathattn-*-"$PYTAG"-*.whl 2>/dev/null | head -1)
+ABI3=$(python3 -c 'import sys; print("abi3" if sys.version_info >= (3, 12) else "none")')  # cp312-abi3 wheels
+WHEEL=$(ls "$WHEELS"/pathattn-*-"$PYTAG"-*.whl "$WHEELS"/pathattn-*-cp312-"$ABI3"-*.whl 2>/dev/null | head -1)
 if [ "$TESTS" = 1 ] && [ "$PY" = 1 ] && [ -z "$WHEEL" ] && ls "$WHEELS"/build/scikit_build_core-*.whl > /dev/null 2>&1; then
   echo "== building the pathattn wheel ($PYTAG, CUDA sm_90a)"
   # cmake / ninja wheels there too, if the machine lacks them (their scripts land in the target's bin/).
   python3 -m pip install -q --upgrade --no-index --find-links "$WHEELS/build" --target /tmp/pathattn_buildenv \
-    scikit-build-core nanobind $(cd "$WHEELS/build" && ls cmake-*.whl ninja-*.whl 2>/dev/null | sed 's/-.*//') \
+    scikit-build-core nanobind scipy-openblas32 $(cd "$WHEELS/build" && ls cmake-*.whl ninja-*.whl 2>/dev/null | sed 's/-.*//') \
     && PATH=/tmp/pathattn_buildenv/bin:$PATH PYTHONPATH=/tmp/pathattn_buildenv python3 -m pip wheel -q --no-build-isolation --no-deps -w "$OUTDIR/wheel" . \
       -Ccmake.define.PATHATTN_CUDA=ON "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" \
       -Cbuild-dir=build-wheel > "$OUTDIR/wheel_build.log" 2>&1 \

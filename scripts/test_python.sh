@@ -6,12 +6,15 @@
 # test (its exit code 5). GPU tests skip on machines without a CUDA device.
 #   PATHATTN_PY_VENV   where to create the environment (default: a new temporary folder, removed at exit)
 #   PATHATTN_PY_TORCH  1 (default) to install torch and run the torch tests, 0 to skip them
+#   PATHATTN_PY_CUDA   OFF (default), ON or AUTO: the CUDA backend of the build (-Ccmake.define.PATHATTN_CUDA;
+#                      a plain `pip install .` has AUTO, on where nvcc is found, which takes many minutes)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 python="${PYTHON:-python3}"
 with_torch="${PATHATTN_PY_TORCH:-1}"
+cuda="${PATHATTN_PY_CUDA:-OFF}"
 
 if [[ -n "${PATHATTN_PY_VENV:-}" ]]; then
   venv="$PATHATTN_PY_VENV"
@@ -27,8 +30,8 @@ t0=$(date +%s)
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install --quiet --upgrade pip
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-echo "test_python: pip install . (building the extension)"
-"${pip[@]}" install --quiet .
+echo "test_python: pip install . (building the extension, CUDA backend $cuda)"
+"${pip[@]}" install --quiet -Ccmake.define.PATHATTN_CUDA="$cuda" .
 t1=$(date +%s)
 echo "test_python: package built and installed in $((t1 - t0)) s"
 

@@ -32,7 +32,8 @@ int resolve_threads(int num_threads);
 // over work units; a block product of a few hundred KFLOP must not open an OpenMP team of its own, which
 // costs far more than the product, ruinously so on a loaded machine). The OpenMP build of OpenBLAS sizes
 // its team from the calling thread's nthreads ICV, which this sets to 1 and restores; ICVs are per thread,
-// so concurrent calls from other user threads are unaffected. Resolve the thread count before creating it.
+// so concurrent calls from other user threads are unaffected. A pthreads OpenBLAS (scipy-openblas32) has
+// one process-wide count: set to 1 while any SerialBlas lives. Resolve the thread count before creating it.
 class SerialBlas {
  public:
   SerialBlas();

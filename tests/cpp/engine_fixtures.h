@@ -9,8 +9,7 @@
 
 #include <unistd.h>
 
-#include <cblas.h>
-
+#include "cpu/blas.h"
 #include "engine/config.h"
 
 namespace pathattn::engine::test {
@@ -51,7 +50,7 @@ inline RunConfig tiny_flipflop(AttnKind attn) {
 // BLAS single-threaded (the attention op gets train.threads = 1 from the configs).
 class SingleThreadedBlas : public ::testing::Environment {
  public:
-  void SetUp() override { openblas_set_num_threads(1); }
+  void SetUp() override { cpu::set_blas_threads(1); }
 };
 
 }  // namespace pathattn::engine::test

@@ -14,8 +14,6 @@
 
 #include <unistd.h>
 
-#include <cblas.h>
-
 #include "engine/checkpoint.h"
 #include "engine/model.h"
 #include "engine/repro.h"

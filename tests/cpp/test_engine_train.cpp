@@ -14,8 +14,6 @@
 #include <unistd.h>
 #include <utility>
 
-#include <cblas.h>
-
 #include "engine/checkpoint.h"
 #include "engine/optim.h"
 #include "engine/report.h"

@@ -1,6 +1,7 @@
 // tests/cpp/test_fast.cpp: the blockwise CPU fast path against the fp64 oracle, forward and every gradient,
 // in fp64 (max relative error <= 1e-10) and fp32 (relative L2 <= 1e-5 on o, 1e-4 on gradients); plus chunk
-// size and thread-count invariance. Tolerances and their reasons: docs/numerics.md.
+// size and thread-count invariance, and SerialBlas's hold on the BLAS thread count. Tolerances and their
+// reasons: docs/numerics.md.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -8,8 +9,12 @@
 #include <cstdlib>
 #include <random>
 
+#include <omp.h>
+
 #include "check/harness.h"
 #include "check/oracle_chain.h"
+#include "cpu/blas.h"
+#include "cpu/cpu_backend.h"
 
 namespace pathattn::test {
 namespace {
@@ -124,6 +129,28 @@ TEST(FastPath, ThreadCountInvarianceBitwise) {
     EXPECT_EQ(f.lse.to_f64(), f1.lse.to_f64()) << nt;
     for (const Named& g : grads_of(c.spec, b, b1)) EXPECT_EQ(g.a->to_f64(), g.ref->to_f64()) << g.name << " " << nt;
   }
+}
+
+// SerialBlas (nested, as concurrent calls nest) makes BLAS single-threaded while one lives and restores the
+// setting after the last: the calling thread's OpenMP count for an OpenMP OpenBLAS, the process-wide BLAS
+// count for a pthreads one (scipy-openblas32, the Python wheels' build).
+TEST(FastPath, SerialBlasHoldsBlasSingleThreaded) {
+  const int blas0 = cpu::blas_threads();
+  cpu::set_blas_threads(2);
+  const bool omp = cpu::blas_uses_openmp();
+  auto current = [&] { return omp ? omp_get_max_threads() : cpu::blas_threads(); };
+  ASSERT_EQ(current(), 2) << (omp ? "OpenMP" : "pthreads") << " OpenBLAS: " << cpu::blas_config();
+  {
+    cpu::SerialBlas outer;
+    EXPECT_EQ(current(), 1);
+    {
+      cpu::SerialBlas inner;
+      EXPECT_EQ(current(), 1);
+    }
+    EXPECT_EQ(current(), 1) << "the inner SerialBlas restored the count while the outer one lives";
+  }
+  EXPECT_EQ(current(), 2);
+  cpu::set_blas_threads(blas0);
 }
 
 // Splitting invariance: a varlen batch equals each of its sequences computed alone (fp64, to rounding).

@@ -17,8 +17,7 @@
 #include <string>
 #include <vector>
 
-#include <cblas.h>
-
+#include "cpu/blas.h"
 #include "engine/checkpoint.h"
 #include "engine/cuda/kernels.h"
 #include "engine/embedded.h"
@@ -47,7 +46,7 @@ bool have_gpu() {
 // The CPU side of these tests is small: single-threaded BLAS keeps it quick and deterministic.
 class SingleThreaded : public ::testing::Environment {
  public:
-  void SetUp() override { openblas_set_num_threads(1); }
+  void SetUp() override { cpu::set_blas_threads(1); }
 };
 const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new SingleThreaded);
 
@@ -209,12 +208,9 @@ TEST_F(EngineCudaKernels, TiedHeadGemmShapes) {
   const auto lnf = randn(rng, kN * kC), wte = randn(rng, kVc * kC), dl = randn(rng, kN * kVc);
   std::vector<float> logits(kN * kVc), dlnf(kN * kC), dwte = randn(rng, kVc * kC);
   const std::vector<float> dwte0 = dwte;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, kN, kVc, kC, 1, lnf.data(), kC, wte.data(), kC, 0,
-              logits.data(), kVc);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kN, kC, kVc, 1, dl.data(), kVc, wte.data(), kC, 0,
-              dlnf.data(), kC);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kVc, kC, kN, 1, dl.data(), kVc, lnf.data(), kC, 1,
-              dwte.data(), kC);
+  cpu::gemm(false, true, kN, kVc, kC, 1.0f, lnf.data(), kC, wte.data(), kC, 0.0f, logits.data(), kVc);
+  cpu::gemm(false, false, kN, kC, kVc, 1.0f, dl.data(), kVc, wte.data(), kC, 0.0f, dlnf.data(), kC);
+  cpu::gemm(true, false, kVc, kC, kN, 1.0f, dl.data(), kVc, lnf.data(), kC, 1.0f, dwte.data(), kC);
   Dev<float> g_lnf(lnf), g_wte(wte), g_dl(dl), g_logits{size_t(kN * kVc)}, g_dlnf{size_t(kN * kC)}, g_dwte(dwte0);
   gpu::gemm(h, false, true, kN, kVc, kC, 1.0f, g_lnf, kC, g_wte, kC, 0.0f, g_logits, kVc);
   gpu::gemm(h, false, false, kN, kC, kVc, 1.0f, g_dl, kVc, g_wte, kC, 0.0f, g_dlnf, kC);
