@@ -104,16 +104,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--no-parts", action="store_true", help="time the whole layers only")
+    ap.add_argument("--no-fla", action="store_true",
+                    help="leave out fla's layer (its Triton kernels compile and autotune for minutes on first use)")
     args = ap.parse_args()
     import pathattn
     from pathattn.nn import PaTHAttention
     if not pathattn.backend_available("cuda"):
         sys.exit("error: pathattn was built without the CUDA backend (or no GPU is visible)")
-    try:
-        from fla.layers import PaTHAttention as FlaPaTH
-    except Exception as e:  # noqa: BLE001
-        print("fla.layers import failed (the fla column stays empty):", e)
-        FlaPaTH = None
+    FlaPaTH = None
+    if not args.no_fla:
+        try:
+            from fla.layers import PaTHAttention as FlaPaTH
+        except Exception as e:  # noqa: BLE001
+            print("fla.layers import failed (the fla column stays empty):", e)
     torch.backends.cuda.matmul.allow_tf32 = False
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
