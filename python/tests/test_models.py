@@ -54,14 +54,17 @@ def small_config(**kw):
     return PaTHConfig(**base)
 
 
-def make_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    m = PaTHForCausalLM(small_config(**kw))
-    with torch.no_grad():  # non-trivial norms and biases
+def perturb(m):
+    with torch.no_grad():  # non-trivial norms and biases (the init leaves them at 1 and 0)
         for name, p in m.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
     return m.eval()
+
+
+def make_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return perturb(PaTHForCausalLM(small_config(**kw)))
 
 
 def fla_state_dict_shapes(cfg):
@@ -151,15 +154,38 @@ def test_state_dict_names_and_shapes_are_flas(name):
 def test_state_dict_matches_fla_model_on_meta_device():
     """Where fla's modeling module imports (it needs triton but runs none of it here), build its model on the
     meta device and compare names and shapes directly."""
-    try:
-        from fla.models.path_attn import PaTHAttentionConfig, PaTHAttentionForCausalLM
-    except Exception as e:  # fla absent, or its import needs what this machine lacks
-        pytest.skip(f"fla's PaTH model classes do not import here: {type(e).__name__}: {e}")
+    PaTHAttentionConfig, PaTHAttentionForCausalLM = fla_classes()
     for kw in CONFIGS.values():
         cfg = dict(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=VOCAB, hidden_ratio=2, **kw)
         with torch.device("meta"):
             theirs = PaTHAttentionForCausalLM(PaTHAttentionConfig(**cfg))
         assert shapes(make_model(**kw).state_dict()) == shapes(theirs.state_dict())
+
+
+def fla_classes():
+    try:
+        from fla.models.path_attn import PaTHAttentionConfig, PaTHAttentionForCausalLM
+    except Exception as e:  # fla absent, or its import needs what this machine lacks
+        pytest.skip(f"fla's PaTH model classes do not import here: {type(e).__name__}: {e}")
+    return PaTHAttentionConfig, PaTHAttentionForCausalLM
+
+
+def test_checkpoints_move_between_fla_and_ours(tmp_path):
+    """save_pretrained by fla's class, from_pretrained by ours and back, with no missing, unexpected or
+    mismatched key and every tensor unchanged (fla's forward needs a GPU: test_gpu.py compares logits)."""
+    FlaConfig, FlaLM = fla_classes()
+    for kw in CONFIGS.values():
+        cfg = dict(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=VOCAB, hidden_ratio=2, **kw)
+        theirs = FlaLM(FlaConfig(**cfg))
+        theirs.save_pretrained(tmp_path / "fla")
+        ours, info = PaTHForCausalLM.from_pretrained(tmp_path / "fla", output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        ours = perturb(ours)
+        ours.save_pretrained(tmp_path / "ours")
+        back, info = FlaLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        for k, v in ours.state_dict().items():
+            assert torch.equal(back.state_dict()[k], v), k
 
 
 def test_tied_embeddings_share_the_weight():
