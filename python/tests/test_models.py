@@ -310,10 +310,23 @@ def argmax_loop(m, ids, steps):
 def test_generate_greedy_equals_argmax_loop(name, dense):
     m = make_model(**CONFIGS[name])
     ids = torch.randint(3, VOCAB, (2, 7))
-    kw = dict(cache=PaTHCache(dense=True)) if dense else {}
+    kw = dict(past_key_values=PaTHCache(dense=True)) if dense else {}
     got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False,
                      eos_token_id=None, pad_token_id=0, **kw)
     assert torch.equal(got, argmax_loop(m, ids, 9))
+    if dense:
+        assert all(isinstance(s, DenseAttentionState) for s in kw["past_key_values"].layers)
+
+
+def test_sampling_with_cache_equals_without():
+    m = make_model(**CONFIGS["noconv_mqa"])
+    ids = torch.randint(3, VOCAB, (3, 5))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=True, top_k=0, eos_token_id=None,
+              pad_token_id=0)
+    torch.manual_seed(5)
+    with_cache = m.generate(ids, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(with_cache, m.generate(ids, use_cache=False, **kw))
 
 
 def test_generate_left_padded_batch():
