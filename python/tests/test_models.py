@@ -223,10 +223,13 @@ def test_forward_equals_hand_built_stack(name):
     m = make_model(**CONFIGS[name])
     ids = torch.randint(0, VOCAB, (2, 23))
     with torch.no_grad():
-        got = m(ids).logits
         ref = hand_built_logits(m, ids)
-    assert got.shape == (2, 23, VOCAB)
-    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (got - ref).abs().max()
+        for use_cache in (False, True):  # the training forward and the prefill
+            out = m(ids, use_cache=use_cache)
+            cache = out.cache if "cache" in out else out.past_key_values
+            assert isinstance(cache, PaTHCache) == use_cache
+            assert out.logits.shape == (2, 23, VOCAB)
+            assert torch.allclose(out.logits, ref, rtol=1e-5, atol=1e-5), (use_cache, (out.logits - ref).abs().max())
 
 
 def test_padding_mask_equals_unpadded_sequences():

@@ -132,7 +132,8 @@ class PaTHModel(PaTHPreTrainedModel):
 
         attention_mask [B, T]: 1 for tokens, 0 for padding (either side). cu_seqlens: packed sequences (B == 1).
         cache / past_key_values: a PaTHCache to continue from (transformers' two names for it); with
-        use_cache (default: config.use_cache outside training) the output carries the advanced cache.
+        use_cache (default: config.use_cache under torch.no_grad outside training) the output carries the
+        advanced cache. The cache path (prefill and decode) is inference only: it records no autograd graph.
         """
         if output_attentions:
             raise ValueError("output_attentions: PaTH layers do not return attention weights")
@@ -146,8 +147,8 @@ class PaTHModel(PaTHPreTrainedModel):
                                 else self.config.output_hidden_states)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
+        if use_cache is None:  # the cache path is inference only (no autograd): off in training and under grad
+            use_cache = self.config.use_cache and not self.training and not torch.is_grad_enabled()
         use_cache = (use_cache or cache is not None) and not checkpointing
         if use_cache and cache is None:
             cache = PaTHCache()
