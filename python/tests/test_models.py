@@ -14,7 +14,8 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import pathattn  # noqa: E402
-from pathattn.models import DenseAttentionState, PaTHCache, PaTHConfig, PaTHForCausalLM, PaTHModel  # noqa: E402
+from pathattn.models import (DenseAttentionState, PaTHCache, PaTHConfig, PaTHForCausalLM, PaTHModel,  # noqa: E402
+                             register_auto_classes)
 from pathattn.nn import PaTHAttention  # noqa: E402
 
 VOCAB = 61
@@ -106,7 +107,7 @@ def shapes(sd):
 
 # -- config ---------------------------------------------------------------------------------------------------
 
-def test_config_has_flas_keys_and_round_trips(tmp_path):
+def test_config_has_flas_keys_and_round_trips(tmp_path, ours_registered):
     cfg = small_config(num_kv_heads=2, use_forget_gate=True, norm_eps=1e-5, tie_word_embeddings=True)
     d = cfg.to_dict()
     assert FLA_CONFIG_KEYS <= set(d), FLA_CONFIG_KEYS - set(d)
@@ -119,7 +120,7 @@ def test_config_has_flas_keys_and_round_trips(tmp_path):
     assert type(auto) is PaTHConfig and auto.num_kv_heads == 2 and auto.use_forget_gate
 
 
-def test_config_written_by_fla_loads(tmp_path):
+def test_config_written_by_fla_loads(tmp_path, ours_registered):
     (tmp_path / "config.json").write_text(FLA_CONFIG_JSON)
     cfg = AutoConfig.from_pretrained(tmp_path)
     assert type(cfg) is PaTHConfig
@@ -135,7 +136,13 @@ def test_config_rejects_what_is_not_implemented(kw, arg):
         small_config(**kw)
 
 
-def test_auto_classes_resolve_to_ours():
+@pytest.fixture
+def ours_registered():
+    """The Auto classes answer "path_attn" with ours, also after a test imported fla (which registers it)."""
+    register_auto_classes()
+
+
+def test_auto_classes_resolve_to_ours(ours_registered):
     cfg = small_config()
     assert type(AutoConfig.for_model("path_attn", hidden_size=64, num_heads=4)) is PaTHConfig
     assert type(AutoModelForCausalLM.from_config(cfg)) is PaTHForCausalLM
@@ -160,6 +167,15 @@ def test_state_dict_matches_fla_model_on_meta_device():
         with torch.device("meta"):
             theirs = PaTHAttentionForCausalLM(PaTHAttentionConfig(**cfg))
         assert shapes(make_model(**kw).state_dict()) == shapes(theirs.state_dict())
+
+
+def test_register_auto_classes_takes_the_name_back():
+    fla_classes()  # fla's import registered "path_attn" for its own classes
+    from fla.models.path_attn import PaTHAttentionConfig
+    AutoConfig.register("path_attn", PaTHAttentionConfig, exist_ok=True)
+    assert type(AutoConfig.for_model("path_attn")) is PaTHAttentionConfig
+    register_auto_classes()
+    assert type(AutoConfig.for_model("path_attn")) is PaTHConfig
 
 
 def fla_classes():
@@ -400,7 +416,7 @@ def test_cache_errors_name_the_argument():
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
-def test_save_and_load_round_trip(tmp_path):
+def test_save_and_load_round_trip(tmp_path, ours_registered):
     m = make_model(**CONFIGS["gqa_gate"])
     ids = torch.randint(0, VOCAB, (2, 11))
     m.save_pretrained(tmp_path)
