@@ -165,12 +165,14 @@ void import_model(const StFile& st, const std::string& where, RunConfig cfg, con
     if (it == st.tensors.end()) throw EngineError(where + ": tensor \"" + t.hf + "\" is missing");
     const StFile::Entry& e = it->second;
     const int64_t es = element_bytes(e.dtype);
-    if (es == 0) throw EngineError(where + ": tensor \"" + t.hf + "\" is " + e.dtype + " (expected F32, F64, BF16 or F16)");
+    if (es == 0)
+      throw EngineError(where + ": tensor \"" + t.hf + "\" is " + e.dtype + " (expected F32, F64, BF16 or F16)");
     if (e.shape != t.hf_shape) {
       std::string got, want;
       for (int64_t d : e.shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
       for (int64_t d : t.hf_shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
-      throw EngineError(where + ": tensor \"" + t.hf + "\" has shape [" + got + "], config.json implies [" + want + "]");
+      throw EngineError(where + ": tensor \"" + t.hf + "\" has shape [" + got + "], config.json implies [" + want +
+                        "]");
     }
     used.insert(t.hf);
     const uint8_t* src = st.data.data() + e.begin;
@@ -264,7 +266,8 @@ ModelConfig model_config_of_hf(const json& hf) {
   };
   auto get_num = [&](const char* k, double def) -> double {
     const json v = key_or(hf, k, def);
-    if (!v.is_number() || !(v.get<double>() > 0)) throw EngineError(w + std::string(k) + ": expected a number > 0, got " + v.dump());
+    if (!v.is_number() || !(v.get<double>() > 0))
+      throw EngineError(w + std::string(k) + ": expected a number > 0, got " + v.dump());
     return v.get<double>();
   };
   const json mt = key_or(hf, "model_type", json("(missing)"));
