@@ -13,7 +13,8 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..nn import PaTHAttention, PaTHAttentionState
+from ..nn import PaTHAttention
+from ..nn import RMSNorm as _HeadNorm  # the layer's per-head q / k norm
 from .cache import PaTHCache, layer_step
 from .configuration import PaTHConfig, default_intermediate_size
 
@@ -104,7 +105,7 @@ class PaTHPreTrainedModel(PreTrainedModel):
             _init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 _init.zeros_(module.bias)
-        elif isinstance(module, RMSNorm) or type(module).__name__ == "RMSNorm":
+        elif isinstance(module, (RMSNorm, _HeadNorm)):
             _init.ones_(module.weight)
 
 
