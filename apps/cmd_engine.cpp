@@ -1,5 +1,5 @@
 // apps/cmd_engine.cpp: the engine's subcommands: `pathattn train | eval | sample | repro {flipflop,a5,mqrar} |
-// tasks show`.
+// tasks show | export-hf | import-hf`.
 // Thin wrappers over src/engine (run.h, repro.h); every engine error is printed as "error: <message>" with
 // exit code 1.
 #include <unistd.h>
@@ -15,6 +15,7 @@
 #include "commands.h"
 #include "engine/config.h"
 #include "engine/embedded.h"
+#include "engine/hf.h"
 #include "engine/longctx.h"
 #include "engine/repro.h"
 #include "engine/run.h"
@@ -81,6 +82,11 @@ struct SampleArgs {
   int tokens = 200, top_k = 0, threads = 0;
   double temperature = 1.0;
   uint64_t seed = 1;
+};
+
+struct HfArgs {
+  std::string checkpoint, dir, config, preset;
+  std::vector<std::string> sets;
 };
 
 struct ShowArgs {
@@ -214,6 +220,39 @@ void register_engine(CLI::App& app, int* exit_code) {
       const std::string s = sample_checkpoint(sa->checkpoint, sa->prompt, sa->tokens, sa->temperature, sa->top_k,
                                               sa->seed, sa->backend, sa->threads);
       std::printf("%s%s\n", sa->prompt.c_str(), s.c_str());
+    });
+  });
+
+  // export-hf / import-hf (engine/hf.h)
+  auto ex = std::make_shared<HfArgs>();
+  CLI::App* exp = app.add_subcommand("export-hf", "Write a checkpoint as a Hugging Face PaTH model directory "
+                                     "(config.json + model.safetensors, loadable by pathattn.models and fla)");
+  exp->add_option("checkpoint", ex->checkpoint, "Engine checkpoint (.safetensors)")->required();
+  exp->add_option("dir", ex->dir, "Output directory")->required();
+  exp->callback([ex, exit_code] {
+    guarded(exit_code, [&] {
+      export_hf(ex->checkpoint, ex->dir);
+      std::printf("%s\n", json({{"checkpoint", ex->checkpoint}, {"dir", ex->dir}}).dump().c_str());
+    });
+  });
+  auto im = std::make_shared<HfArgs>();
+  CLI::App* imp = app.add_subcommand("import-hf", "Make an engine checkpoint (step 0) from a Hugging Face PaTH "
+                                     "model directory; task and train sections from --config / --preset / --set");
+  imp->add_option("dir", im->dir, "Hugging Face model directory (config.json + model.safetensors)")->required();
+  imp->add_option("checkpoint", im->checkpoint, "Engine checkpoint to write (.safetensors)")->required();
+  imp->add_option("--config", im->config, "Config file (JSON) for the task and train sections");
+  imp->add_option("--preset", im->preset, "Embedded config for the task and train sections");
+  imp->add_option("--set", im->sets, "Override a task / train key: section.key=value (repeatable)");
+  imp->callback([im, exit_code] {
+    guarded(exit_code, [&] {
+      if (!im->config.empty() && !im->preset.empty()) throw EngineError("give --config or --preset, not both");
+      RunConfig base;
+      if (!im->config.empty()) base = load_config_file(im->config);
+      else if (!im->preset.empty())
+        base = parse_config_text(embedded_config(im->preset), "embedded config " + im->preset);
+      base = overlay_config(base, overlay_from_sets(im->sets));
+      import_hf(im->dir, im->checkpoint, base);
+      std::printf("%s\n", json({{"dir", im->dir}, {"checkpoint", im->checkpoint}}).dump().c_str());
     });
   });
 

@@ -20,6 +20,6 @@ inline CLI::Validator non_negative_int() {
 // Each register_* adds one or more subcommands to `app`; the subcommand's callback sets `*exit_code`.
 void register_check(CLI::App& app, int* exit_code);   // apps/cmd_check.cpp
 void register_bench(CLI::App& app, int* exit_code);   // apps/cmd_bench.cpp
-void register_engine(CLI::App& app, int* exit_code);  // apps/cmd_engine.cpp: train, eval, sample, repro
+void register_engine(CLI::App& app, int* exit_code);  // apps/cmd_engine.cpp: train, eval, sample, repro, *-hf
 
 }  // namespace pathattn::app

@@ -31,6 +31,9 @@
 #   A prebuilt DIR may carry libs.tar.xz (shared libraries the test binary needs, e.g. OpenBLAS) and the
 #   fla-core wheel may sit in .whl/ (installed into a private target directory, nothing system-wide), with the
 #   flash-linear-attention wheel beside it for the Python layer test (fla.layers; skipped without it).
+#   The model tests (pathattn.models, and against fla.models) also need transformers: the wheels of it and of
+#   the dependencies the GPU machine lacks, for its Python, in .whl/hf/ (e.g. `pip download -d .whl/hf
+#   "transformers>=5.6,<6" --python-version X.Y --only-binary=:all:`, less numpy and torch); skipped without.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-cuda QUICK="" TABLE=results/bench/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
@@ -191,9 +194,10 @@ fi
 if [ "$TESTS" = 1 ] && [ "$PY" = 1 ] && [ -n "$WHEEL" ]; then
   echo "== Python GPU tests ($(basename "$WHEEL"))"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pathattn_py \
-    "$WHEEL" $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl 2>/dev/null) || status=1
+    "$WHEEL" $(ls "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl "$WHEELS"/hf/*.whl 2>/dev/null) \
+    || status=1
   (cd python/tests && PYTHONPATH=/tmp/pathattn_py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
-    python3 -m pytest -q -s -p no:cacheprovider test_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | grep -E "^\[fla|passed|failed|^E ")
+    python3 -m pytest -q -s -p no:cacheprovider test_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | grep -E "^\[fla|^\[model|passed|failed|^E ")
   grep -qE "[0-9]+ passed" "$OUTDIR/pytest_gpu.log" && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUTDIR/pytest_gpu.log" || status=1
 fi
 exit $status

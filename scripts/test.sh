@@ -126,6 +126,8 @@ else
 fi
 stage "sanitizer build and tests" sanitizer_tests
 if [ -f scripts/test_python.sh ]; then
+  # the release build's program runs the engine side of test_engine_interop.py (export-hf / import-hf)
+  [ -x build/apps/pathattn ] && export PATHATTN_CLI="$PWD/build/apps/pathattn"
   stage "python tests" bash scripts/test_python.sh
 fi
 nvcc=$(command -v nvcc || true)

@@ -6,6 +6,8 @@
 # test (its exit code 5). GPU tests skip on machines without a CUDA device.
 #   PATHATTN_PY_VENV   where to create the environment (default: a new temporary folder, removed at exit)
 #   PATHATTN_PY_TORCH  1 (default) to install torch and run the torch tests, 0 to skip them
+#   PATHATTN_PY_HF     1 (default, with torch) to install transformers (pyproject's hf extra) for the
+#                      pathattn.models tests, 0 to skip them
 #   PATHATTN_PY_CUDA   OFF (default), ON or AUTO: the CUDA backend of the build (-Ccmake.define.PATHATTN_CUDA;
 #                      a plain `pip install .` has AUTO, on where nvcc is found, which takes many minutes)
 set -euo pipefail
@@ -45,6 +47,8 @@ if [[ "$with_torch" == "1" ]]; then
     with_torch=0
   else
     deps+=(torch)
+    # the hf extra's range (pyproject.toml), for pathattn.models
+    [[ "${PATHATTN_PY_HF:-1}" == "1" ]] && deps+=("transformers>=5.6,<6")
   fi
 fi
 "${pip[@]}" install --quiet --no-cache-dir "${deps[@]}"

@@ -10,6 +10,8 @@ works on numpy arrays (CPU) and torch tensors (CPU and CUDA, with autograd and t
 - ``parallel_path_attn_bwd``: the backward as a plain function (numpy or torch, no autograd);
 - ``prefill`` / ``decode_step`` / ``PathCache``: inference with a cache of transported keys;
 - ``pathattn.nn.PaTHAttention`` (torch): the layer, loading flash-linear-attention state_dicts;
+- ``pathattn.models`` (torch + transformers): PaTHConfig, PaTHModel, PaTHForCausalLM, checkpoint-compatible
+  with flash-linear-attention's PaTH models;
 - ``torch.ops.pathattn.path_attn_fwd`` / ``path_attn_bwd``: the registered torch custom ops.
 
 torch is optional: it is imported (and the custom ops registered) only if it is installed, unless the
@@ -58,8 +60,9 @@ if _os.environ.get("PATHATTN_NO_TORCH", "0") != "1" and _ilu.find_spec("torch") 
 
 
 def __getattr__(name):
-    # `pathattn.nn` needs torch; import it on first use so numpy-only users never pay for it.
-    if name == "nn":
+    # `pathattn.nn` needs torch and `pathattn.models` transformers; import them on first use so numpy-only
+    # users never pay for them.
+    if name in ("nn", "models"):
         import importlib
 
         return importlib.import_module(".nn", __name__)

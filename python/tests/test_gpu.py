@@ -284,3 +284,79 @@ def test_fla_layer_with_our_op_patched_in(monkeypatch):
         print(f"[fla layer, our op patched in] {cfg or 'default'}: o {eo:.2e}, worst gradient {eg:.2e}")
         assert eo <= 5e-3
         assert eg <= 2e-2
+
+
+# pathattn.models against flash-linear-attention's PaTH model classes (needs transformers and the
+# flash-linear-attention wheel): a checkpoint saved by either loads strictly into the other and gives the
+# same logits (bf16, hidden 512, two layers; bar: relative L2 <= 2e-2 on the logits).
+MODEL_CASES = [dict(num_heads=4), dict(num_heads=8, num_kv_heads=2, use_forget_gate=True, use_low_rank_w=False)]
+
+
+def fla_models():
+    pytest.importorskip("transformers")
+    pytest.importorskip("fla.models")
+    from fla.models.path_attn import PaTHAttentionConfig, PaTHAttentionForCausalLM
+    return PaTHAttentionConfig, PaTHAttentionForCausalLM
+
+
+def perturbed(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():  # non-trivial norms and biases (both inits leave them at 1 and 0)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.cuda().to(torch.bfloat16).eval()
+
+
+def no_key_problems(info):
+    return not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_fla_model_checkpoints_load_both_ways(case, tmp_path):
+    FlaConfig, FlaLM = fla_models()
+    from pathattn.models import PaTHForCausalLM
+
+    cfg = dict(hidden_size=512, num_hidden_layers=2, vocab_size=1000, initializer_range=0.05, **case)
+    torch.manual_seed(0)
+    theirs = perturbed(FlaLM(FlaConfig(**cfg)), 1)
+    theirs.save_pretrained(tmp_path / "fla")
+    ours, info = PaTHForCausalLM.from_pretrained(tmp_path / "fla", output_loading_info=True)
+    assert no_key_problems(info), info
+    ours = ours.cuda().to(torch.bfloat16).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    ids = torch.randint(0, 1000, (2, 512), device="cuda")
+    with torch.no_grad():
+        e = rl2(ours(ids, use_cache=False).logits, theirs(ids, use_cache=False).logits)
+
+    mine = perturbed(PaTHForCausalLM(ours.config), 2)
+    mine.save_pretrained(tmp_path / "ours")
+    back, info = FlaLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert no_key_problems(info), info
+    back = back.cuda().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        e2 = rl2(back(ids, use_cache=False).logits, mine(ids, use_cache=False).logits)
+    print(f"[fla model] {case}: logits rel L2, fla checkpoint in ours {e:.2e}, ours in fla {e2:.2e}")
+    assert e <= 2e-2 and e2 <= 2e-2
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_model_decode_on_cuda_equals_forward(dense):
+    """pathattn.models on the GPU without fla: a 200-token prompt through the cache, 16 decode steps, against
+    one forward over all 216 tokens (bf16 logits; relative L2 <= 1e-2)."""
+    pytest.importorskip("transformers")
+    from pathattn.models import PaTHCache, PaTHConfig, PaTHForCausalLM
+
+    torch.manual_seed(0)
+    cfg = PaTHConfig(hidden_size=512, num_hidden_layers=2, num_heads=8, num_kv_heads=2, use_forget_gate=True,
+                     vocab_size=1000, initializer_range=0.05)
+    m = perturbed(PaTHForCausalLM(cfg), 3)
+    ids = torch.randint(0, 1000, (2, 216), device="cuda")
+    with torch.no_grad():
+        ref = m(ids, use_cache=False).logits
+        cache = PaTHCache(dense=dense)
+        parts = [m(ids[:, :200], cache=cache, use_cache=True).logits]
+        parts += [m(ids[:, t:t + 1], cache=cache).logits for t in range(200, 216)]
+    e = rl2(torch.cat(parts, 1), ref)
+    print(f"[model decode cuda] dense={dense}: logits rel L2 {e:.2e}")
+    assert e <= 1e-2

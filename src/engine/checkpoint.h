@@ -44,7 +44,9 @@ struct StFile {
   std::vector<uint8_t> data;
 };
 // Throws EngineError naming the file and the defect ("truncated", "corrupt", "not a safetensors file").
-StFile read_safetensors(const std::string& path);
+// Dtypes F32, F64, I64, BF16 and F16 are read. require_checksum = false takes files written by other tools
+// (no "data_fnv1a64"; a checksum that is present is still checked).
+StFile read_safetensors(const std::string& path, bool require_checksum = true);
 
 // The engine's checkpoint: metadata format = "pathattn-engine", version = "1", config (full JSON), step
 // (completed optimizer steps, in [0, train.steps]), dtype, adam_t (= step); tensors: every parameter by its

@@ -48,6 +48,19 @@ expect_fail 'duplicate key "a"' train --set 'train.steps={"a":1,"a":2}' --out "$
 printf '{"train": {"steps": 5, "steps": 6}}' > "$dir/dup.json"
 expect_fail 'duplicate key "train.steps"' train --config "$dir/dup.json" --out "$dir/t"
 
+# export-hf then import-hf then export-hf: the same Hugging Face weights file, byte for byte; bad input named.
+if timeout 60 "$P" export-hf "$ck" "$dir/hf" > /dev/null && timeout 60 "$P" import-hf "$dir/hf" "$dir/back.safetensors" > /dev/null \
+   && timeout 60 "$P" export-hf "$dir/back.safetensors" "$dir/hf2" > /dev/null \
+   && cmp -s "$dir/hf/model.safetensors" "$dir/hf2/model.safetensors"; then
+  echo "ok: export-hf / import-hf round trip"
+else
+  echo "FAIL: export-hf / import-hf round trip"; fails=$((fails + 1))
+fi
+expect_fail "cannot open checkpoint file" export-hf "$dir/missing.safetensors" "$dir/x"
+expect_fail "config.json: cannot open" import-hf "$dir/nowhere" "$dir/y.safetensors"
+expect_fail "give --config or --preset" import-hf "$dir/hf" "$dir/y.safetensors" --config a.json --preset b
+expect_fail "dir is required" export-hf "$ck"
+
 # Resuming a finished run reports its last loss and adds no second final evaluation to the log.
 first=$(timeout 60 "$P" train --resume "$ck" --no-progress) || { echo "FAIL: resume of a finished run"; fails=$((fails + 1)); }
 if [[ "$first" == *'"last_loss":0.0'* ]]; then echo "FAIL: resumed finished run reports last_loss 0.0"; fails=$((fails + 1)); fi
