@@ -71,9 +71,6 @@ std::vector<EvalSpec> eval_specs(const TaskConfig& mix, const std::vector<int>& 
   for (size_t i = 0; i < mix.mixture.size(); ++i) {
     const TaskConfig c = mixture_component(mix, i);
     const std::string where = "task.mixture[" + std::to_string(i) + "]";
-    if (!is_text_task(c.name))
-      throw EngineError(where + ".name: repro long-context evaluates the long-context text tasks (niah, vartrack, "
-                        "phonebook, babi), got \"" + c.name + "\"");
     const bool sweep = c.name == "niah" && c.niah_variant == "single";
     for (int s : scales) {
       const int64_t len = int64_t(s) * c.seq_len;
@@ -122,8 +119,8 @@ std::string cell(const Stat& s) {
   return b;
 }
 
-// The measurements, grouped for the tables: exact match per seed of (family, model, scale), niah single's the
-// mean over its depths; and per seed of (model, scale, depth) for the depth table.
+// The measurements of one metric, grouped for the tables: per seed of (family, model, scale), niah single's the
+// mean over its depths; and per seed of (model, depth, scale) for the depth table.
 struct Collected {
   std::map<std::string, std::map<std::string, std::map<int, std::vector<double>>>> by_family;
   std::map<std::string, std::map<double, std::map<int, std::vector<double>>>> by_depth;
@@ -132,13 +129,13 @@ struct Collected {
 };
 
 void collect_run(const std::vector<EvalSpec>& specs, const std::vector<json>& evs, const std::string& model,
-                 Collected* c) {
+                 const char* metric, Collected* c) {
   std::map<std::pair<std::string, int>, std::vector<double>> per_seed;  // (family, scale) -> over depths
   for (size_t i = 0; i < specs.size(); ++i) {
-    const double em = evs[i]["test"]["exact_match"].get<double>();
-    per_seed[{specs[i].family, specs[i].scale}].push_back(em);
+    const double v = evs[i]["test"][metric].get<double>();
+    per_seed[{specs[i].family, specs[i].scale}].push_back(v);
     if (specs[i].depth >= 0) {
-      c->by_depth[model][specs[i].depth][specs[i].scale].push_back(em);
+      c->by_depth[model][specs[i].depth][specs[i].scale].push_back(v);
       c->depth_family = specs[i].family;
     }
     if (std::find(c->families.begin(), c->families.end(), specs[i].family) == c->families.end())
@@ -154,9 +151,29 @@ std::string length_header(const std::vector<int>& scales, int L) {
   return t.str();
 }
 
-std::string tables(const Collected& c, const std::vector<std::string>& models, const std::vector<int>& scales,
-                   int L) {
+// The kinds of each family from best to worst at `scale` x the training length: "A 12.0 > B 3.0 = C 3.0".
+std::string order_lines(const Collected& c, const std::vector<std::string>& models, int scale) {
   std::ostringstream t;
+  for (const std::string& f : c.families) {
+    std::vector<std::pair<double, std::string>> r;
+    for (const std::string& m : models) r.push_back({stat(c.by_family.at(f).at(m).at(scale)).mean, m});
+    std::stable_sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.first > b.first; });
+    t << "- " << f << ": ";
+    for (size_t i = 0; i < r.size(); ++i) {
+      char b[64];
+      std::snprintf(b, sizeof b, "%.1f", 100 * r[i].first);
+      if (i) t << (std::string(b) == cell(stat({r[i - 1].first})) ? " = " : " > ");
+      t << attn_display_name(r[i].second) << " " << b;
+    }
+    t << "\n";
+  }
+  return t.str();
+}
+
+std::string tables(const Collected& c, const std::vector<std::string>& models, const std::vector<int>& scales,
+                   int L, const std::string& what) {
+  std::ostringstream t;
+  t << what << ", mean ± sd over seeds:\n\n";
   t << "| task | model |" << length_header(scales, L) << "|---|---|";
   for (size_t i = 0; i < scales.size(); ++i) t << "---|";
   t << "\n";
@@ -167,7 +184,7 @@ std::string tables(const Collected& c, const std::vector<std::string>& models, c
       t << "\n";
     }
   if (!c.by_depth.empty()) {
-    t << "\n" << c.depth_family << " by needle depth (0: the start of the context, 1: its end):\n\n";
+    t << "\n" << what << ", " << c.depth_family << " by needle depth (0: the start of the context, 1: its end):\n\n";
     t << "| model | depth |" << length_header(scales, L) << "|---|---|";
     for (size_t i = 0; i < scales.size(); ++i) t << "---|";
     t << "\n";
@@ -178,28 +195,18 @@ std::string tables(const Collected& c, const std::vector<std::string>& models, c
         t << "\n";
       }
   }
-  // The order of the kinds where the claims are made: past the training length.
-  for (int s : scales) {
-    if (s == 1 && scales.size() > 1) continue;
-    t << "\nOrder at " << s << "x (" << int64_t(s) * L << " bytes), mean exact match %:\n\n";
-    for (const std::string& f : c.families) {
-      std::vector<std::pair<double, std::string>> r;
-      for (const std::string& m : models) r.push_back({stat(c.by_family.at(f).at(m).at(s)).mean, m});
-      std::stable_sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.first > b.first; });
-      t << "- " << f << ":";
-      for (size_t i = 0; i < r.size(); ++i) {
-        char b[64];
-        std::snprintf(b, sizeof b, "%s %s %.1f", i ? "," : "", attn_display_name(r[i].second).c_str(), 100 * r[i].first);
-        t << b;
-      }
-      t << "\n";
-    }
-  }
+  // The order of the kinds where the claims are made, past the training length: at the shortest and the
+  // longest evaluation length beyond it.
+  std::vector<int> at;
+  for (int s : scales)
+    if (s > 1 && (at.empty() || s == scales.back())) at.push_back(s);
+  for (int s : at)
+    t << "\n" << what << ", order at " << s << "x (" << int64_t(s) * L << " bytes):\n\n" << order_lines(c, models, s);
   return t.str();
 }
 
 void write_plot(const std::string& path, const Collected& c, const std::vector<std::string>& models,
-                const std::vector<int>& scales, int L) {
+                const std::vector<int>& scales, int L, const std::string& metric) {
   std::vector<PlotPanel> panels;
   for (const std::string& f : c.families) {
     PlotPanel p;
@@ -211,8 +218,8 @@ void write_plot(const std::string& path, const Collected& c, const std::vector<s
     }
     panels.push_back(p);
   }
-  write_grid_svg(path, "Long-context tasks: exact match against evaluation length (trained at " +
-                 std::to_string(L) + ")", panels, "length (bytes)", "exact match, mean over seeds", 4);
+  write_grid_svg(path, "Long-context tasks: " + metric + " against evaluation length (trained at " +
+                 std::to_string(L) + " bytes)", panels, "length (bytes)", metric + ", mean over seeds", 4);
 }
 
 void check_options(const ReproOptions& o, const std::vector<std::string>& models, const std::vector<int>& scales,
@@ -247,6 +254,12 @@ json repro_long_context(const ReproOptions& o) {
   if (base.task.name != "mixture")
     throw EngineError("task.name: repro long-context trains on a mixture of tasks (\"mixture\"), got \"" +
                       base.task.name + "\"");
+  for (size_t i = 0; i < base.task.mixture.size(); ++i) {
+    const std::string name = mixture_component(base.task, i).name;
+    if (!is_text_task(name))
+      throw EngineError("task.mixture[" + std::to_string(i) + "].name: repro long-context evaluates the long-context "
+                        "text tasks (niah, vartrack, phonebook, babi), got \"" + name + "\"");
+  }
   const auto mix_task = make_task(base.task);  // checks the mixture (components, one shared length)
   base = resolve_config(base, *mix_task);
   const int L = base.task.seq_len;
@@ -263,7 +276,7 @@ json repro_long_context(const ReproOptions& o) {
     results["models"].push_back({{"model", m}, {"mlp_hidden", matched.at(m).mlp_hidden},
                                  {"params", param_count(matched.at(m))}});
   std::string lines;
-  Collected col;
+  Collected col, col_acc;
   std::map<std::string, std::vector<double>> train_s, eval_s, loss, sps;
   for (const std::string& m : models) {
     for (uint64_t seed : o.seeds) {
@@ -290,7 +303,8 @@ json repro_long_context(const ReproOptions& o) {
       write_file_atomic(ro.out_dir + "/long_context.jsonl", run_lines);
       lines += run_lines;
       write_file_atomic(dir + "/results.jsonl", lines);  // kept current, so a stopped run leaves what it measured
-      collect_run(specs, evs, m, &col);
+      collect_run(specs, evs, m, "exact_match", &col);
+      collect_run(specs, evs, m, "accuracy", &col_acc);
       train_s[m].push_back(r.train_seconds);
       eval_s[m].push_back(bar.elapsed_s());
       loss[m].push_back(r.last_loss);
@@ -304,12 +318,13 @@ json repro_long_context(const ReproOptions& o) {
   std::ostringstream t, mixdesc;
   for (size_t i = 0; i < base.task.mixture.size(); ++i)
     mixdesc << (i ? ", " : "") << mixture_label(base.task, i) << " (" << base.task.mixture[i].weight << ")";
-  t << "Long-context tasks: exact match % of the answer span, mean ± sd over " << o.seeds.size()
-    << " seed(s), at multiples of the training length " << L << " bytes. " << base.model.n_layer << " layers, width "
+  t << "Long-context tasks at multiples of the training length " << L << " bytes, " << o.seeds.size()
+    << " seed(s) per kind. " << base.model.n_layer << " layers, width "
     << base.model.d_model << ", " << base.model.n_head << " heads; " << base.train.steps << " steps x "
     << base.train.batch_size << " sequences on the mixture " << mixdesc.str() << "; " << base.task.eval_sequences
     << " test examples per cell and seed (niah_single: the mean over needle depths).\n\n";
-  t << tables(col, models, scales, L);
+  t << tables(col, models, scales, L, "Exact match % (every byte of the answer right)") << "\n"
+    << tables(col_acc, models, scales, L, "Answer-byte accuracy %");
   t << "\nModels (equal parameter counts through the MLP width):\n\n"
     << "| model | MLP width | parameters | final training loss | train time | steps/s | evaluation time |\n"
     << "|---|---|---|---|---|---|---|\n";
@@ -324,17 +339,19 @@ json repro_long_context(const ReproOptions& o) {
   t << "\n(times are means per run)\n";
   std::fputs(t.str().c_str(), stdout);
   std::fflush(stdout);
-  json summary = json::object();
-  for (const auto& [f, per_model] : col.by_family)
-    for (const auto& [m, per_scale] : per_model)
-      for (const auto& [sc, v] : per_scale) {
-        const Stat st = stat(v);
-        summary[f][m][std::to_string(sc)] = {{"mean", st.mean}, {"sd", st.sd}, {"n", st.n}};
-      }
+  json summary = json::object();  // {metric: {task: {model: {scale: {mean, sd, n}}}}}
+  for (const auto& [name, cc] : {std::pair<const char*, const Collected*>{"exact_match", &col}, {"accuracy", &col_acc}})
+    for (const auto& [f, per_model] : cc->by_family)
+      for (const auto& [m, per_scale] : per_model)
+        for (const auto& [sc, v] : per_scale) {
+          const Stat st = stat(v);
+          summary[name][f][m][std::to_string(sc)] = {{"mean", st.mean}, {"sd", st.sd}, {"n", st.n}};
+        }
   results["summary"] = summary;
   write_file_atomic(dir + "/table.md", t.str());
   write_file_atomic(dir + "/results.json", results.dump(2) + "\n");
-  write_plot(dir + "/plot.svg", col, models, scales, L);
+  write_plot(dir + "/plot.svg", col, models, scales, L, "exact match");
+  write_plot(dir + "/plot_accuracy.svg", col_acc, models, scales, L, "answer-byte accuracy");
   return results;
 }
 

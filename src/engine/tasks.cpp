@@ -305,8 +305,12 @@ class Mixture final : public Task {
     double total = 0;
     for (size_t i = 0; i < c.mixture.size(); ++i) {
       const TaskConfig ci = mixture_component(c, i);
-      parts_.push_back(make_task(ci));
       const std::string where = "task.mixture[" + std::to_string(i) + "]";
+      try {
+        parts_.push_back(make_task(ci));
+      } catch (const EngineError& e) {
+        throw EngineError(where + " (" + mixture_label(c, i) + "): " + e.what());
+      }
       if (parts_.back()->model_len() != parts_[0]->model_len())
         throw EngineError(where + ".seq_len: the rows of a batch share one length; this component's model length is " +
                           std::to_string(parts_.back()->model_len()) + ", task.mixture[0]'s " +
