@@ -236,7 +236,11 @@ void check_options(const ReproOptions& o, const std::vector<std::string>& models
   for (int s : scales)
     if (s < 1 || s > 1024) throw EngineError("scales: expected multiples of the training length in [1, 1024], got " + std::to_string(s));
   for (double d : depths)
-    if (!(d >= 0 && d <= 1)) throw EngineError("depths: expected needle depths in [0, 1], got " + std::to_string(d));
+    if (!(d >= 0 && d <= 1)) {
+      std::ostringstream m;
+      m << "depths: expected needle depths in [0, 1], got " << d;
+      throw EngineError(m.str());
+    }
 }
 
 }  // namespace
