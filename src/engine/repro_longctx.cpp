@@ -225,6 +225,12 @@ void write_plot(const std::string& path, const Collected& c, const std::vector<s
 void check_options(const ReproOptions& o, const std::vector<std::string>& models, const std::vector<int>& scales,
                    const std::vector<double>& depths) {
   if (o.seeds.empty()) throw EngineError("seeds: expected at least one training seed");
+  for (size_t i = 0; i < o.seeds.size(); ++i)
+    if (std::count(o.seeds.begin(), o.seeds.begin() + int64_t(i), o.seeds[i]))
+      throw EngineError("seeds: " + std::to_string(o.seeds[i]) + " is given twice");
+  for (size_t i = 0; i < models.size(); ++i)
+    if (std::count(models.begin(), models.begin() + int64_t(i), models[i]))
+      throw EngineError("models: \"" + models[i] + "\" is given twice");
   for (const std::string& m : models) {
     try {
       (void)parse_attn_kind(m);
@@ -266,6 +272,7 @@ json repro_long_context(const ReproOptions& o) {
   }
   const auto mix_task = make_task(base.task);  // checks the mixture (components, one shared length)
   base = resolve_config(base, *mix_task);
+  check_device(base);  // a cuda preset on a build or machine without a GPU fails here, before any work
   const int L = base.task.seq_len;
   const std::vector<EvalSpec> specs = eval_specs(base.task, scales, depths);
   const auto matched = matched_models(base.model, models);

@@ -221,6 +221,8 @@ TEST(EngineReproLongContext, ArgumentsCheckedBeforeAnyWork) {
   expect_error(with([](ReproOptions& x) { x.depths = {0.5, 1.5}; }), {"depths", "1.5"});
   expect_error(with([](ReproOptions& x) { x.models = {"path", "bogus"}; }), {"models", "bogus"});
   expect_error(with([](ReproOptions& x) { x.seeds.clear(); }), {"seeds"});
+  expect_error(with([](ReproOptions& x) { x.seeds = {1, 2, 1}; }), {"seeds", "1 is given twice"});
+  expect_error(with([](ReproOptions& x) { x.models = {"path", "rope", "path"}; }), {"models", "\"path\" is given twice"});
   expect_error(with([](ReproOptions& x) { x.overlay["task"]["name"] = "niah"; }), {"task.name", "mixture"});
   expect_error(with([](ReproOptions& x) {
                  x.overlay["task"]["mixture"] = json::parse(R"([{"name": "niah"}, {"name": "a5", "seq_len": 256}])");
