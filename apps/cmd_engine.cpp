@@ -98,7 +98,7 @@ struct ReproArgs {
   std::vector<int> lengths, n_backs, scales;
   std::vector<double> depths;
   int max_layers = 4;
-  bool small = false, no_progress = false;
+  bool small = false, no_progress = false, reuse = false;
 };
 
 void add_repro(CLI::App& repro, const std::string& name, const std::string& help, std::shared_ptr<ReproArgs> a,
@@ -124,6 +124,8 @@ void add_repro(CLI::App& repro, const std::string& name, const std::string& help
     c->add_option("--scales", a->scales, "Evaluation lengths as multiples of the training length (default 1,2,4,8; "
                                          "1,2,4,8,16 when training on cuda)")->delimiter(',');
     c->add_option("--depths", a->depths, "Needle depths of niah single (default 0,0.25,0.5,0.75,1)")->delimiter(',');
+    c->add_flag("--reuse", a->reuse, "Read back finished runs of the same config in --out instead of training them "
+                                     "again (to run the command in pieces, e.g. one --models at a time)");
   }
   if (name != "flipflop") c->add_flag("--small", a->small, "Use the small CPU preset (" + stem + "_small)");
   c->callback([a, name, stem, exit_code] {
@@ -141,6 +143,7 @@ void add_repro(CLI::App& repro, const std::string& name, const std::string& help
       o.n_backs = a->n_backs;
       o.scales = a->scales;
       o.depths = a->depths;
+      o.reuse = a->reuse;
       o.progress = !a->no_progress;
       o.device = a->device;
       if (name == "flipflop") repro_flipflop(o);

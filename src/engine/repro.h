@@ -26,6 +26,8 @@ struct ReproOptions {
   std::vector<int> scales;          // long-context: evaluation lengths as multiples of the training length
                                     // (default 1 2 4 8, and 16 when training on cuda)
   std::vector<double> depths;       // long-context: needle depths of niah single (default 0 .25 .5 .75 1)
+  bool reuse = false;               // long-context: a (kind, seed) whose <run>/long_context.json holds the same
+                                    // config and evaluations is read back instead of trained again
   bool progress = true;
   std::string device;               // train.device of every run ("cpu" | "cuda"); empty: the preset's
 };

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -249,6 +250,74 @@ void check_options(const ReproOptions& o, const std::vector<std::string>& models
     }
 }
 
+// One trained and evaluated (kind, seed): the evaluations in spec order and their JSON lines.
+struct RunRecord {
+  std::vector<json> evs, lines;
+  double train_seconds = 0, eval_seconds = 0, steps_per_s = 0, last_loss = 0;
+  bool reused = false;
+};
+
+// A finished run of the same config and evaluations, read back from <run>/long_context.json (--reuse).
+bool load_run(const std::string& path, const json& config, const std::vector<EvalSpec>& specs, RunRecord* rec) {
+  std::ifstream f(path);
+  if (!f) return false;
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::exception&) {
+    return false;
+  }
+  if (!j.is_object() || j.value("config", json()) != config || !j.contains("evaluations") ||
+      !j["evaluations"].is_array() || j["evaluations"].size() != specs.size())
+    return false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const json& e = j["evaluations"][i];
+    if (e.value("task", "") != specs[i].family || e.value("length", -1) != specs[i].task.seq_len ||
+        e.value("depth", -1.0) != specs[i].depth || !e.contains("exact_match") || !e.contains("accuracy"))
+      return false;
+    rec->evs.push_back({{"test", {{"exact_match", e["exact_match"]}, {"accuracy", e["accuracy"]}}}});
+    rec->lines.push_back(e);
+  }
+  rec->train_seconds = j.value("train_seconds", 0.0);
+  rec->eval_seconds = j.value("eval_seconds", 0.0);
+  rec->steps_per_s = j.value("steps_per_s", 0.0);
+  rec->last_loss = j.value("last_loss", 0.0);
+  rec->reused = true;
+  return true;
+}
+
+RunRecord run_one(const RunConfig& c, const RunOptions& ro, const std::vector<EvalSpec>& specs,
+                  const std::vector<TaskConfig>& tasks, int64_t max_tokens, bool reuse, const Task& mix) {
+  const std::string record = ro.out_dir + "/long_context.json";
+  const json config = config_to_json(resolve_config(c, mix));
+  RunRecord rec;
+  if (reuse && load_run(record, config, specs, &rec)) {
+    std::fprintf(stderr, "%s: reusing %s\n", ro.label.c_str(), record.c_str());
+    return rec;
+  }
+  rec = RunRecord();
+  const RunResult r = train_run(c, ro);
+  Progress bar(ro.label + " eval", int64_t(specs.size()), 0, ro.progress);
+  rec.evs = evaluate_trained(r, tasks, max_tokens, [&](size_t i) { bar.update(int64_t(i) + 1); });
+  bar.finish();
+  rec.train_seconds = r.train_seconds;
+  rec.eval_seconds = bar.elapsed_s();
+  rec.steps_per_s = r.steps_per_s;
+  rec.last_loss = r.last_loss;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const json& t = rec.evs[i]["test"];
+    json line = {{"model", attn_kind_name(c.model.attn)}, {"seed", c.train.seed}, {"task", specs[i].family},
+                 {"scale", specs[i].scale}, {"length", specs[i].task.seq_len}, {"exact_match", t["exact_match"]},
+                 {"accuracy", t["accuracy"]}, {"loss", t["loss"]}, {"sequences", t["sequences"]}};
+    if (specs[i].depth >= 0) line["depth"] = specs[i].depth;
+    rec.lines.push_back(line);
+  }
+  write_file_atomic(record, json({{"config", config}, {"train_seconds", rec.train_seconds},
+                                  {"eval_seconds", rec.eval_seconds}, {"steps_per_s", rec.steps_per_s},
+                                  {"last_loss", rec.last_loss}, {"evaluations", rec.lines}}).dump(1) + "\n");
+  return rec;
+}
+
 }  // namespace
 
 json repro_long_context(const ReproOptions& o) {
@@ -298,31 +367,22 @@ json repro_long_context(const ReproOptions& o) {
       ro.out_dir = dir + "/" + m + "_s" + std::to_string(seed);
       ro.progress = o.progress;
       ro.label = attn_display_name(m) + " s" + std::to_string(seed);
-      const RunResult r = train_run(c, ro);
-      Progress bar(ro.label + " eval", int64_t(specs.size()), 0, o.progress);
-      const auto evs = evaluate_trained(r, tasks, max_tokens, [&](size_t i) { bar.update(int64_t(i) + 1); });
-      bar.finish();
+      const RunRecord rec = run_one(c, ro, specs, tasks, max_tokens, o.reuse, *mix_task);
+      const auto& evs = rec.evs;
       std::string run_lines;
-      for (size_t i = 0; i < specs.size(); ++i) {
-        const json& t = evs[i]["test"];
-        json line = {{"model", m}, {"seed", seed}, {"task", specs[i].family}, {"scale", specs[i].scale},
-                     {"length", specs[i].task.seq_len}, {"exact_match", t["exact_match"]},
-                     {"accuracy", t["accuracy"]}, {"loss", t["loss"]}, {"sequences", t["sequences"]}};
-        if (specs[i].depth >= 0) line["depth"] = specs[i].depth;
-        run_lines += line.dump() + "\n";
-      }
+      for (const json& line : rec.lines) run_lines += line.dump() + "\n";
       write_file_atomic(ro.out_dir + "/long_context.jsonl", run_lines);
       lines += run_lines;
       write_file_atomic(dir + "/results.jsonl", lines);  // kept current, so a stopped run leaves what it measured
       collect_run(specs, evs, m, "exact_match", &col);
       collect_run(specs, evs, m, "accuracy", &col_acc);
-      train_s[m].push_back(r.train_seconds);
-      eval_s[m].push_back(bar.elapsed_s());
-      loss[m].push_back(r.last_loss);
-      sps[m].push_back(r.steps_per_s);
-      results["runs"].push_back({{"model", m}, {"seed", seed}, {"dir", ro.out_dir}, {"train_seconds", r.train_seconds},
-                                 {"eval_seconds", bar.elapsed_s()}, {"steps_per_s", r.steps_per_s},
-                                 {"last_loss", r.last_loss}});
+      train_s[m].push_back(rec.train_seconds);
+      eval_s[m].push_back(rec.eval_seconds);
+      loss[m].push_back(rec.last_loss);
+      sps[m].push_back(rec.steps_per_s);
+      results["runs"].push_back({{"model", m}, {"seed", seed}, {"dir", ro.out_dir}, {"train_seconds", rec.train_seconds},
+                                 {"eval_seconds", rec.eval_seconds}, {"steps_per_s", rec.steps_per_s},
+                                 {"last_loss", rec.last_loss}, {"reused", rec.reused}});
     }
   }
 

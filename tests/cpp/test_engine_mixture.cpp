@@ -275,6 +275,33 @@ TEST(EngineReproLongContext, WritesEveryEvaluationTablesAndPlots) {
   EXPECT_EQ(res["summary"]["exact_match"]["vartrack"]["rope"]["2"]["n"].get<int>(), 2);
 }
 
+// --reuse reads finished runs of the same config back; another config trains again.
+TEST(EngineReproLongContext, ReuseReadsBackFinishedRunsOfTheSameConfig) {
+  const std::string dir = test::temp_dir("lc_reuse");
+  ReproOptions o = tiny_repro(dir);
+  o.models = {"fox"};
+  o.scales = {1, 2};
+  o.depths = {0.5};
+  o.reuse = true;
+  const json first = repro_long_context(o);
+  auto read = [&](const std::string& f) {
+    std::ifstream in(dir + "/" + f);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  const std::string lines = read("results.jsonl"), table = read("table.md");
+  EXPECT_FALSE(first["runs"][0]["reused"].get<bool>());
+  const json second = repro_long_context(o);
+  EXPECT_TRUE(second["runs"][0]["reused"].get<bool>());
+  EXPECT_EQ(read("results.jsonl"), lines);
+  EXPECT_EQ(read("table.md"), table);
+  EXPECT_EQ(second["summary"], first["summary"]);
+  o.overlay["train"]["steps"] = 3;
+  const json third = repro_long_context(o);
+  EXPECT_FALSE(third["runs"][0]["reused"].get<bool>());
+}
+
 // The three presets parse, build their mixture and fit every evaluation length.
 TEST(EngineReproLongContext, PresetsAreValid) {
   for (const char* name : {"repro_long_context", "repro_long_context_cpu", "repro_long_context_small"}) {
