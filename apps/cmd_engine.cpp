@@ -1,9 +1,10 @@
-// apps/cmd_engine.cpp: the engine's subcommands: `pathattn train | eval | sample | repro {flipflop,a5,mqrar} |
-// tasks show | export-hf | import-hf`.
+// apps/cmd_engine.cpp: the engine's subcommands: `pathattn train | eval | sample |
+// repro {flipflop,a5,mqrar,long-context} | tasks show | export-hf | import-hf`.
 // Thin wrappers over src/engine (run.h, repro.h); every engine error is printed as "error: <message>" with
 // exit code 1.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -100,16 +101,19 @@ struct ReproArgs {
   std::string out, preset, device;
   std::vector<std::string> sets, models;
   std::vector<uint64_t> seeds;
-  std::vector<int> lengths, n_backs;
+  std::vector<int> lengths, n_backs, scales;
+  std::vector<double> depths;
   int max_layers = 4;
-  bool small = false, no_progress = false;
+  bool small = false, no_progress = false, reuse = false;
 };
 
 void add_repro(CLI::App& repro, const std::string& name, const std::string& help, std::shared_ptr<ReproArgs> a,
                int* exit_code) {
   CLI::App* c = repro.add_subcommand(name, help);
-  c->add_option("--out", a->out, "Output directory (default runs/repro_" + name + ")");
-  c->add_option("--preset", a->preset, "Embedded config to start from (default repro_" + name + ")");
+  std::string stem = "repro_" + name;  // configs/<stem>.json; long-context -> repro_long_context
+  std::replace(stem.begin(), stem.end(), '-', '_');
+  c->add_option("--out", a->out, "Output directory (default runs/" + stem + ")");
+  c->add_option("--preset", a->preset, "Embedded config to start from (default " + stem + ")");
   c->add_option("--set", a->sets, "Override a config key: section.key=value (repeatable)");
   c->add_option("--models", a->models, "Attention kinds to train (path, path-fox, fox, rope, nope)")->delimiter(',');
   c->add_option("--seeds", a->seeds, "Training seeds (flipflop: each model is trained once per seed)")
@@ -122,23 +126,36 @@ void add_repro(CLI::App& repro, const std::string& name, const std::string& help
     c->add_option("--max-layers", a->max_layers, "Deepest model tried (default 4)")->check(CLI::Range(1, 256));
   }
   if (name == "mqrar") c->add_option("--n", a->n_backs, "N values (default 1,2,3,4)")->delimiter(',');
-  if (name != "flipflop") c->add_flag("--small", a->small, "Use the small CPU preset (repro_" + name + "_small)");
-  c->callback([a, name, exit_code] {
+  if (name == "long-context") {
+    c->add_option("--scales", a->scales, "Evaluation lengths as multiples of the training length (default 1,2,4,8; "
+                                         "1,2,4,8,16 when training on cuda)")->delimiter(',');
+    c->add_option("--depths", a->depths, "Needle depths of niah single (default 0,0.25,0.5,0.75,1)")->delimiter(',');
+    c->add_flag("--reuse", a->reuse, "Read back finished runs of the same config in --out instead of training them "
+                                     "again (to run the command in pieces, e.g. one --models at a time)");
+  }
+  if (name != "flipflop") c->add_flag("--small", a->small, "Use the small CPU preset (" + stem + "_small)");
+  c->callback([a, name, stem, exit_code] {
     guarded(exit_code, [&] {
+      if (a->small && !a->preset.empty()) throw EngineError("give --small or --preset, not both");
       ReproOptions o;
       o.out_dir = a->out;
-      o.preset = a->preset.empty() && a->small ? "repro_" + name + "_small" : a->preset;
+      o.preset = a->preset.empty() && a->small ? stem + "_small" : a->preset;
       o.overlay = overlay_from_sets(a->sets);
       o.models = a->models;
       if (!a->seeds.empty()) o.seeds = a->seeds;
+      else if (name == "long-context" && !a->small) o.seeds = {1, 2, 3};
       o.lengths = a->lengths;
       o.max_layers = a->max_layers;
       o.n_backs = a->n_backs;
+      o.scales = a->scales;
+      o.depths = a->depths;
+      o.reuse = a->reuse;
       o.progress = !a->no_progress;
       o.device = a->device;
       if (name == "flipflop") repro_flipflop(o);
       else if (name == "a5") repro_a5(o);
-      else repro_mqrar(o);
+      else if (name == "mqrar") repro_mqrar(o);
+      else repro_long_context(o);
     });
   });
 }
@@ -309,6 +326,9 @@ void register_engine(CLI::App& app, int* exit_code) {
   add_repro(*repro, "a5", "A5 word problem, Figure 2: fewest layers solving each length",
             std::make_shared<ReproArgs>(), exit_code);
   add_repro(*repro, "mqrar", "MQRAR-N, Figure 2: accuracy per N", std::make_shared<ReproArgs>(), exit_code);
+  add_repro(*repro, "long-context",
+            "RoPE, PaTH, FoX, PaTH-FoX trained on a mixture of the long-context tasks, evaluated at 1x to 8x (16x) "
+            "the training length", std::make_shared<ReproArgs>(), exit_code);
 }
 
 }  // namespace pathattn::app

@@ -105,6 +105,8 @@ class Section {
       out->push_back(e.get<std::string>());
     }
   }
+  // The value of `key` as given (nullptr when absent), for keys with a structure of their own.
+  const json* raw(const char* key) { return find(key) ? &j_.at(key) : nullptr; }
   void finish() const {
     for (auto it = j_.begin(); it != j_.end(); ++it)
       if (!seen_.count(it.key())) throw EngineError(name_ + "." + it.key() + ": unknown key");
@@ -147,9 +149,12 @@ void read_model(const json& j, ModelConfig* m) {
   s.finish();
 }
 
-void read_task(const json& j, TaskConfig* t) {
-  Section s(j, "task");
-  s.get("name", &t->name, {"flipflop", "a5", "mqrar", "bytes", "niah", "vartrack", "phonebook", "babi"});
+// The task keys of one section: the task itself, or (component = true) one entry of its mixture list.
+void read_task_keys(Section& s, TaskConfig* t, bool component) {
+  if (component)
+    s.get("name", &t->name, {"flipflop", "a5", "mqrar", "bytes", "niah", "vartrack", "phonebook", "babi"});
+  else
+    s.get("name", &t->name, {"flipflop", "a5", "mqrar", "bytes", "niah", "vartrack", "phonebook", "babi", "mixture"});
   s.get("seq_len", &t->seq_len, 0, 1 << 20);
   s.get("p_train", &t->p_train, 0.0, 1.0);
   s.get("loss_on", &t->loss_on, {"read", "all"});
@@ -175,6 +180,34 @@ void read_task(const json& j, TaskConfig* t) {
   s.get("babi_task", &t->babi_task, 1, 3);
   s.get("n_facts", &t->n_facts, 1, 1 << 20);
   s.get("data_seed", &t->data_seed);
+  if (component) return;
+  const json* mix = s.raw("mixture");
+  if (!mix) return;
+  if (!mix->is_array()) s.fail("mixture", "an array of task objects", *mix);
+  t->mixture.clear();
+  for (size_t i = 0; i < mix->size(); ++i) {
+    const std::string where = "task.mixture[" + std::to_string(i) + "]";
+    const json& e = (*mix)[i];
+    if (!e.is_object()) throw EngineError(where + ": expected a JSON object of task keys, got " + e.type_name());
+    MixtureComponent m;
+    Section cs(e, where);
+    cs.get("weight", &m.weight, 0.0, 1e9);
+    cs.get("label", &m.label, {});
+    TaskConfig probe;  // checks the keys and values now, so a bad component fails where the config is read
+    read_task_keys(cs, &probe, true);
+    cs.finish();
+    if (!e.contains("name")) throw EngineError(where + ".name: each component names its task");
+    json keys = e;
+    keys.erase("weight");
+    keys.erase("label");
+    m.overrides = keys.dump();
+    t->mixture.push_back(m);
+  }
+}
+
+void read_task(const json& j, TaskConfig* t) {
+  Section s(j, "task");
+  read_task_keys(s, t, false);
   s.finish();
 }
 
@@ -333,6 +366,14 @@ json config_to_json(const RunConfig& c) {
                {"n_needles", t.n_needles}, {"depths", t.depths}, {"n_chains", t.n_chains}, {"n_hops", t.n_hops},
                {"n_entries", t.n_entries}, {"babi_task", t.babi_task}, {"n_facts", t.n_facts},
                {"data_seed", t.data_seed}};
+  json mix = json::array();
+  for (const MixtureComponent& m : t.mixture) {
+    json e = json::parse(m.overrides);
+    e["weight"] = m.weight;
+    if (!m.label.empty()) e["label"] = m.label;
+    mix.push_back(e);
+  }
+  j["task"]["mixture"] = mix;
   j["train"] = {{"steps", r.steps}, {"batch_size", r.batch_size}, {"lr", r.lr}, {"min_lr_ratio", r.min_lr_ratio},
                 {"warmup_steps", r.warmup_steps}, {"weight_decay", r.weight_decay}, {"beta1", r.beta1},
                 {"beta2", r.beta2}, {"adam_eps", r.adam_eps}, {"grad_clip", r.grad_clip}, {"seed", r.seed},
@@ -341,6 +382,27 @@ json config_to_json(const RunConfig& c) {
                 {"eval_every", r.eval_every}, {"checkpoint_every", r.checkpoint_every},
                 {"log_every", r.log_every}};
   return j;
+}
+
+TaskConfig mixture_component(const TaskConfig& mix, size_t i) {
+  const std::string where = "task.mixture[" + std::to_string(i) + "]";
+  if (i >= mix.mixture.size())
+    throw EngineError(where + ": the mixture has " + std::to_string(mix.mixture.size()) + " components");
+  TaskConfig c = mix;
+  c.mixture.clear();
+  const json o = json::parse(mix.mixture[i].overrides);
+  Section s(o, where);
+  read_task_keys(s, &c, true);
+  s.finish();
+  return c;
+}
+
+std::string mixture_label(const TaskConfig& mix, size_t i) {
+  if (i < mix.mixture.size() && !mix.mixture[i].label.empty()) return mix.mixture[i].label;
+  const TaskConfig c = mixture_component(mix, i);
+  if (c.name == "niah") return "niah_" + c.niah_variant;
+  if (c.name == "babi") return "babi_qa" + std::to_string(c.babi_task);
+  return c.name;
 }
 
 void validate_config(const RunConfig& c) {

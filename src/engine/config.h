@@ -45,8 +45,16 @@ struct ModelConfig {
   int F() const { return mlp_hidden > 0 ? mlp_hidden : ((4 * d_model * 2 / 3 + 7) / 8) * 8; }
 };
 
+// One task of a mixture: its weight, its test-set name and the task keys it sets (a JSON object, kept as text
+// so that the keys it does not set follow the mixture's own: see mixture_component).
+struct MixtureComponent {
+  double weight = 1.0;
+  std::string label;      // test-set name; empty: derived from the task (mixture_label)
+  std::string overrides;  // JSON object of task keys ("name" required)
+};
+
 struct TaskConfig {
-  std::string name = "flipflop";  // flipflop | a5 | mqrar | bytes | niah | vartrack | phonebook | babi
+  std::string name = "flipflop";  // flipflop | a5 | mqrar | bytes | niah | vartrack | phonebook | babi | mixture
   int seq_len = 0;                // 0: task default (flipflop 512, a5 20, mqrar 768, bytes 256, others 1024)
   // flipflop
   double p_train = 0.8;           // FFL(p) of the training stream
@@ -75,6 +83,8 @@ struct TaskConfig {
   int babi_task = 1;                    // babi: 1, 2, 3 supporting facts
   int n_facts = 12;                     // babi: story sentences
   uint64_t data_seed = 1234;       // seeds the test sets (independent of the training seed)
+  // mixture: each training row comes from one component, drawn with probability weight / sum of weights
+  std::vector<MixtureComponent> mixture;
 };
 
 struct TrainConfig {
@@ -121,6 +131,11 @@ RunConfig load_config_file(const std::string& path);
 RunConfig overlay_config(const RunConfig& base, const nlohmann::json& overlay);
 // The full config, every field written (what checkpoints and run directories store).
 nlohmann::json config_to_json(const RunConfig& c);
+// Component i of a mixture: the mixture's task keys (its mixture list emptied) with the component's own on top.
+// Throws EngineError naming "task.mixture[i]" on a bad index.
+TaskConfig mixture_component(const TaskConfig& mix, size_t i);
+// The test-set name of component i: its label, else niah_<variant>, babi_qa<n>, or the task name.
+std::string mixture_label(const TaskConfig& mix, size_t i);
 // Checks cross-field consistency once the task's vocab is known (head dims, GQA, sizes). Throws EngineError.
 void validate_config(const RunConfig& c);
 

@@ -179,7 +179,69 @@ void panel(std::ostringstream& s, double x0, double y0, double w, double h, cons
   }
 }
 
+const char* const kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"};
+
+// One grid panel at (x0, y0) of size (w, h): log2 x with a tick per distinct x, y fixed to [0, 1].
+void grid_panel(std::ostringstream& s, double x0, double y0, double w, double h, const PlotPanel& p,
+                const std::string& xlabel) {
+  std::vector<double> xs;
+  for (const auto& sr : p.series)
+    for (auto [x, y] : sr.second)
+      if (x > 0) xs.push_back(x);
+  std::sort(xs.begin(), xs.end());
+  xs.erase(std::unique(xs.begin(), xs.end()), xs.end());
+  s << "<rect x='" << x0 << "' y='" << y0 << "' width='" << w << "' height='" << h
+    << "' fill='none' stroke='#888'/>\n";
+  s << "<text x='" << x0 + w / 2 << "' y='" << y0 - 6 << "' font-size='12' text-anchor='middle'>" << p.title
+    << "</text>\n";
+  for (double f : {0.0, 0.5, 1.0}) {
+    const double y = y0 + h - f * h;
+    s << "<line x1='" << x0 << "' y1='" << y << "' x2='" << x0 + w << "' y2='" << y << "' stroke='#eee'/>\n";
+    s << "<text x='" << x0 - 4 << "' y='" << y + 4 << "' font-size='10' text-anchor='end'>" << int(100 * f)
+      << "%</text>\n";
+  }
+  if (xs.empty()) return;
+  const double lo = std::log2(xs.front()), hi = std::max(std::log2(xs.back()), lo + 1);
+  auto X = [&](double x) { return x0 + 8 + (std::log2(x) - lo) / (hi - lo) * (w - 16); };
+  auto Y = [&](double y) { return y0 + h - std::clamp(y, 0.0, 1.0) * h; };
+  for (double x : xs)
+    s << "<text x='" << X(x) << "' y='" << y0 + h + 13 << "' font-size='10' text-anchor='middle'>" << x
+      << "</text>\n";
+  s << "<text x='" << x0 + w / 2 << "' y='" << y0 + h + 26 << "' font-size='10' text-anchor='middle'>" << xlabel
+    << "</text>\n";
+  for (size_t i = 0; i < p.series.size(); ++i) {
+    const char* c = kColors[i % 6];
+    s << "<polyline fill='none' stroke='" << c << "' stroke-width='1.5' points='";
+    for (auto [x, y] : p.series[i].second) s << X(x) << "," << Y(y) << " ";
+    s << "'/>\n";
+    for (auto [x, y] : p.series[i].second) s << "<circle cx='" << X(x) << "' cy='" << Y(y) << "' r='2.5' fill='" << c << "'/>\n";
+  }
+}
+
 }  // namespace
+
+void write_grid_svg(const std::string& path, const std::string& title, const std::vector<PlotPanel>& panels,
+                    const std::string& xlabel, const std::string& ylabel, int columns) {
+  const int cols = std::max(1, columns), rows = int((panels.size() + size_t(cols) - 1) / size_t(cols));
+  const double pw = 260, ph = 170, gx = 70, gy = 70;
+  const double W = 60 + cols * (pw + gx), H = 80 + rows * (ph + gy) + 20;
+  std::ostringstream s;
+  s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << W << "' height='" << H << "' font-family='sans-serif'>\n";
+  s << "<rect width='100%' height='100%' fill='white'/>\n";
+  s << "<text x='" << W / 2 << "' y='20' font-size='14' text-anchor='middle'>" << title << "</text>\n";
+  s << "<text x='" << W / 2 << "' y='38' font-size='11' text-anchor='middle'>y: " << ylabel << "</text>\n";
+  // The legend: the series names of the first panel, in their colors.
+  if (!panels.empty())
+    for (size_t i = 0; i < panels[0].series.size(); ++i)
+      s << "<text x='" << 60 + 110 * double(i) << "' y='56' font-size='12' fill='" << kColors[i % 6] << "'>"
+        << panels[0].series[i].first << "</text>\n";
+  for (size_t i = 0; i < panels.size(); ++i) {
+    const double x0 = 60 + double(i % size_t(cols)) * (pw + gx), y0 = 90 + double(i / size_t(cols)) * (ph + gy);
+    grid_panel(s, x0, y0, pw, ph, panels[i], xlabel);
+  }
+  s << "</svg>\n";
+  write_file_atomic(path, s.str());
+}
 
 void write_plot_svg(const std::string& path, const std::vector<json>& records, const std::string& title,
                     const std::string& metric) {

@@ -51,6 +51,16 @@ class MetricsLog {
 void write_plot_svg(const std::string& path, const std::vector<nlohmann::json>& records, const std::string& title,
                     const std::string& metric);
 
+// One panel of a grid plot: named series of (x, y) points.
+struct PlotPanel {
+  std::string title;
+  std::vector<std::pair<std::string, std::vector<std::pair<double, double>>>> series;
+};
+// Writes an SVG grid of panels (`columns` per row) sharing the legend order: x on a log2 axis with a tick at
+// every x a series has (e.g. evaluation lengths), y on [0, 1] (a fraction, labelled as %). Atomic write.
+void write_grid_svg(const std::string& path, const std::string& title, const std::vector<PlotPanel>& panels,
+                    const std::string& xlabel, const std::string& ylabel, int columns = 3);
+
 // Writes a text file atomically (temp + fsync + rename).
 void write_file_atomic(const std::string& path, const std::string& text);
 

@@ -58,6 +58,9 @@ int leading_above(const json& by_position, double thr) {
 }
 }  // namespace
 
+RunConfig repro_preset(const ReproOptions& o, const std::string& def) { return preset_config(o, def); }
+std::string attn_display_name(const std::string& kind) { return pretty(kind); }
+
 json repro_flipflop(const ReproOptions& o) {
   const RunConfig base = preset_config(o, "repro_flipflop");
   const std::vector<std::string> models = o.models.empty() ? std::vector<std::string>{"path", "rope"} : o.models;

@@ -2,6 +2,7 @@
 // directory's files (engine/run.h).
 #include "engine/run.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -369,6 +370,47 @@ json evaluate_checkpoint(const std::string& path, int64_t batch, Backend backend
   out["eval"] = ck.dtype == "f64" ? eval_ck<double>(ck, cfg, *task, batch, backend, threads)
                                   : eval_ck<float>(ck, cfg, *task, batch, backend, threads);
   return out;
+}
+
+namespace {
+template <typename M>
+std::vector<json> evaluate_all(M& model, const std::vector<TaskConfig>& tasks, int64_t max_tokens,
+                               const std::function<void(size_t)>& done) {
+  std::vector<json> out;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const auto task = make_task(tasks[i]);
+    out.push_back(evaluate(model, *task, std::max<int64_t>(1, max_tokens / task->model_len())));
+    if (done) done(i);
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<json> evaluate_trained(const RunResult& r, const std::vector<TaskConfig>& tasks, int64_t max_tokens,
+                                   const std::function<void(size_t)>& done) {
+  if (max_tokens < 1) throw EngineError("max_tokens: expected at least 1, got " + std::to_string(max_tokens));
+  const RunConfig& cfg = r.config;
+  if (cfg.train.dtype == "f64") {
+    Model<double> m(cfg.model);
+    m.backend = parse_backend(cfg.train.backend);
+    m.threads = cfg.train.threads;
+    if (r.params_f64.size() != m.params.size()) throw EngineError("evaluate_trained: the run has no f64 parameters");
+    m.params = r.params_f64;
+    return evaluate_all(m, tasks, max_tokens, done);
+  }
+  Model<float> m(cfg.model);
+  m.backend = parse_backend(cfg.train.backend);
+  m.threads = cfg.train.threads;
+  if (r.params_f32.size() != m.params.size()) throw EngineError("evaluate_trained: the run has no f32 parameters");
+  m.params = r.params_f32;
+#ifdef PATHATTN_ENGINE_CUDA
+  if (cfg.train.device == "cuda") {
+    CudaModel dev(cfg.model, cfg.train.tf32);
+    dev.upload(m, nullptr);
+    return evaluate_all(dev, tasks, max_tokens, done);
+  }
+#endif
+  return evaluate_all(m, tasks, max_tokens, done);
 }
 
 template json evaluate<Model<float>>(Model<float>&, const Task&, int64_t);

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -51,6 +53,13 @@ nlohmann::json evaluate(M& model, const Task& task, int64_t batch);
 // Exact match of B rows of T positions: adds to *scored the rows with a scored position (targets >= 0) and
 // to *exact those whose every scored position has pred == target.
 void count_exact(const int32_t* targets, const int32_t* pred, int64_t B, int64_t T, int64_t* scored, int64_t* exact);
+
+// Evaluates the final parameters of a finished run (r.config, r.params_f32 / params_f64) on the test sets of each
+// task of `tasks`, on r.config.train.device, with at most `max_tokens` tokens (sequences x length) per forward
+// (at least one sequence): one evaluate() result per task. The forward is the training forward, whose memory
+// is linear in the length (the blockwise attention; no T x T buffer). `done(i)` (optional) follows each task.
+std::vector<nlohmann::json> evaluate_trained(const RunResult& r, const std::vector<TaskConfig>& tasks,
+                                             int64_t max_tokens, const std::function<void(size_t)>& done = {});
 
 // Evaluates a checkpoint on its own task's test sets: {"checkpoint", "step", "task", "attn", "device",
 // "eval": {...}}. device: "cpu" or "cuda"; empty: the checkpoint config's train.device. backend and threads

@@ -290,6 +290,85 @@ class Bytes final : public Task {
   int64_t n_train_ = 0;
 };
 
+// ---------------------------------------------------------------------------------------------------
+// Mixture: every training row comes from one component task, chosen by the row's first draw (u uniform in
+// [0, 1), the first component whose cumulative weight exceeds u * total); the component then draws the row
+// from the same stream, so a row stays a pure function of (seed, step, row). Test sets: each component's,
+// named by mixture_label (with "/<set>" when a component has several), examples exactly the component's own.
+class Mixture final : public Task {
+ public:
+  explicit Mixture(const TaskConfig& c) {
+    if (c.mixture.empty()) throw EngineError("task.mixture: a mixture needs at least one component");
+    if (c.seq_len <= 0)
+      throw EngineError("task.seq_len: a mixture needs an explicit length (its components inherit it), got " +
+                        std::to_string(c.seq_len));
+    double total = 0;
+    for (size_t i = 0; i < c.mixture.size(); ++i) {
+      const TaskConfig ci = mixture_component(c, i);
+      const std::string where = "task.mixture[" + std::to_string(i) + "]";
+      try {
+        parts_.push_back(make_task(ci));
+      } catch (const EngineError& e) {
+        throw EngineError(where + " (" + mixture_label(c, i) + "): " + e.what());
+      }
+      if (parts_.back()->model_len() != parts_[0]->model_len())
+        throw EngineError(where + ".seq_len: the rows of a batch share one length; this component's model length is " +
+                          std::to_string(parts_.back()->model_len()) + ", task.mixture[0]'s " +
+                          std::to_string(parts_[0]->model_len()));
+      total += c.mixture[i].weight;
+      cum_.push_back(total);
+      const std::string label = mixture_label(c, i);
+      const auto sets = parts_.back()->eval_sets();
+      for (size_t k = 0; k < sets.size(); ++k) {
+        EvalSet e = sets[k];
+        e.name = sets.size() == 1 ? label : label + "/" + sets[k].name;
+        for (const EvalSet& prev : sets_)
+          if (prev.name == e.name)
+            throw EngineError(where + ".label: the test set \"" + e.name + "\" is named twice; give the " +
+                              "components distinct labels");
+        sets_.push_back(e);
+        where_.push_back({i, int(k)});
+      }
+    }
+    if (!(total > 0)) throw EngineError("task.mixture: the weights sum to 0; give some component a weight > 0");
+  }
+  std::string name() const override { return "mixture"; }
+  int vocab_size() const override {
+    int v = 0;
+    for (const auto& p : parts_) v = std::max(v, p->vocab_size());
+    return v;
+  }
+  int64_t model_len() const override { return parts_[0]->model_len(); }
+  void train_example(Rng& rng, int64_t step, int32_t* tok, int32_t* tgt) const override {
+    const double u = rng.uniform() * cum_.back();
+    size_t k = 0;
+    while (k + 1 < cum_.size() && !(u < cum_[k])) ++k;
+    parts_[k]->train_example(rng, step, tok, tgt);
+  }
+  std::vector<EvalSet> eval_sets() const override { return sets_; }
+  void eval_example(int set, int64_t index, int32_t* tok, int32_t* tgt) const override {
+    const auto [k, local] = where_[size_t(set)];
+    parts_[k]->eval_example(local, index, tok, tgt);
+  }
+  bool reports_by_position(int set) const override {
+    const auto [k, local] = where_[size_t(set)];
+    return parts_[k]->reports_by_position(local);
+  }
+  bool reports_exact_match() const override {
+    for (const auto& p : parts_)
+      if (!p->reports_exact_match()) return false;
+    return true;
+  }
+  std::string token_str(int32_t t) const override { return parts_[0]->token_str(t); }
+  std::vector<int32_t> encode(const std::string& text) const override { return parts_[0]->encode(text); }
+
+ private:
+  std::vector<std::unique_ptr<Task>> parts_;
+  std::vector<double> cum_;                    // cumulative weights
+  std::vector<EvalSet> sets_;
+  std::vector<std::pair<size_t, int>> where_;  // test set -> (component, its set)
+};
+
 }  // namespace
 
 A5Group::A5Group() {
@@ -319,6 +398,7 @@ std::unique_ptr<Task> make_task(const TaskConfig& c) {
   }
   if (c.name == "bytes") return std::make_unique<Bytes>(c);
   if (is_text_task(c.name)) return make_text_task(c);
+  if (c.name == "mixture") return std::make_unique<Mixture>(c);
   throw EngineError("task.name: unknown task \"" + c.name + "\"");
 }
 

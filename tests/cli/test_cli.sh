@@ -37,6 +37,12 @@ expect_fail "--tokens: expected an integer >= 0" sample "$ck" --tokens -3
 expect_fail "--top-k: expected an integer >= 0" sample "$ck" --top-k -2
 expect_fail "--seed: expected an integer >= 0" sample "$ck" --seed -1
 expect_fail "--max-layers" repro a5 --max-layers 0 --out "$dir/a5"
+expect_fail "scales: expected multiples" repro long-context --small --scales 1,0 --out "$dir/lc"
+expect_fail "depths: expected needle depths" repro long-context --small --depths 0,2 --out "$dir/lc"
+expect_fail "models: expected attention kinds" repro long-context --small --models path,bogus --out "$dir/lc"
+expect_fail "give --small or --preset" repro long-context --small --preset repro_long_context_cpu --out "$dir/lc"
+expect_fail "task.mixture[0].bogus: unknown key" train --set 'task.mixture=[{"name":"niah","bogus":1}]' \
+  --set task.name=mixture --set task.seq_len=300 --out "$dir/t"
 expect_fail "task.seq_len" tasks show niah --set task.seq_len=50
 expect_fail "task.n_needles" tasks show niah --set task.n_needles=2
 expect_fail "not one of niah" tasks show a5
