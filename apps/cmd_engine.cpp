@@ -15,6 +15,7 @@
 #include "commands.h"
 #include "engine/config.h"
 #include "engine/embedded.h"
+#include "engine/lengths.h"
 #include "engine/longctx.h"
 #include "engine/repro.h"
 #include "engine/run.h"
@@ -74,6 +75,8 @@ struct TrainArgs {
 struct EvalArgs {
   std::string checkpoint, backend = "cpu", device;
   int batch = 32, threads = 0;
+  std::vector<int64_t> seq_lens;
+  int64_t sequences = 0, bucket = 0;
 };
 
 struct SampleArgs {
@@ -189,8 +192,29 @@ void register_engine(CLI::App& app, int* exit_code) {
   eval->add_option("--backend", ea->backend, "Attention backend: cpu or oracle");
   eval->add_option("--threads", ea->threads, "Attention threads (0: default)")->check(CLI::Range(0, 1024));
   eval->add_option("--device", ea->device, "Evaluate on cpu or cuda (default: the checkpoint's train.device, or cpu where no GPU is usable)");
-  eval->callback([ea, exit_code] {
+  eval->add_option("--seq-len", ea->seq_lens,
+                   "Evaluate at these task.seq_len values instead (comma-separated; loss per position bucket)")
+      ->delimiter(',');
+  eval->add_option("--sequences", ea->sequences, "With --seq-len: windows per length (default task.eval_sequences)")
+      ->check(non_negative_int());
+  eval->add_option("--bucket", ea->bucket, "With --seq-len: positions per loss bucket (default the training seq_len)")
+      ->check(non_negative_int());
+  eval->callback([ea, eval, exit_code] {
     guarded(exit_code, [&] {
+      if (!ea->seq_lens.empty()) {
+        if (!ea->device.empty() && ea->device != "cpu")
+          throw EngineError("--seq-len evaluates on the cpu device; drop --device " + ea->device);
+        LengthEvalOptions o;
+        o.seq_lens = ea->seq_lens;
+        o.sequences = ea->sequences;
+        o.bucket = ea->bucket;
+        if (eval->count("--batch") > 0) o.batch = ea->batch;
+        o.backend = parse_backend(ea->backend);
+        o.threads = ea->threads;
+        std::printf("%s\n", evaluate_lengths(ea->checkpoint, o).dump(2).c_str());
+        return;
+      }
+      if (ea->sequences > 0 || ea->bucket > 0) throw EngineError("--sequences and --bucket go with --seq-len");
       const json r = evaluate_checkpoint(ea->checkpoint, ea->batch, parse_backend(ea->backend), ea->threads,
                                          ea->device);
       std::printf("%s\n", r.dump(2).c_str());
