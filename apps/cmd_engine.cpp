@@ -14,6 +14,7 @@
 
 #include "commands.h"
 #include "engine/config.h"
+#include "engine/convert.h"
 #include "engine/embedded.h"
 #include "engine/lengths.h"
 #include "engine/longctx.h"
@@ -84,6 +85,13 @@ struct SampleArgs {
   int tokens = 200, top_k = 0, threads = 0;
   double temperature = 1.0;
   uint64_t seed = 1;
+};
+
+struct ConvertArgs {
+  std::string checkpoint, out, attn;
+  std::vector<std::string> sets;
+  double beta_bias = -3.0, gate_bias = 5.0;
+  uint64_t seed = 0;
 };
 
 struct ShowArgs {
@@ -238,6 +246,34 @@ void register_engine(CLI::App& app, int* exit_code) {
       const std::string s = sample_checkpoint(sa->checkpoint, sa->prompt, sa->tokens, sa->temperature, sa->top_k,
                                               sa->seed, sa->backend, sa->threads);
       std::printf("%s%s\n", sa->prompt.c_str(), s.c_str());
+    });
+  });
+
+  // convert
+  auto ca = std::make_shared<ConvertArgs>();
+  CLI::App* convert = app.add_subcommand(
+      "convert", "Turn a checkpoint into one of another attention kind for continued training (docs/engine.md)");
+  convert->add_option("checkpoint", ca->checkpoint, "Source checkpoint (.safetensors), e.g. a rope model")->required();
+  convert->add_option("--attn", ca->attn, "Target attention kind: path, path-fox, fox, rope, nope")->required();
+  convert->add_option("--out", ca->out, "Converted checkpoint to write")->required();
+  convert->add_option("--set", ca->sets, "Override a config key of the target: section.key=value (repeatable)");
+  convert->add_option("--beta-bias", ca->beta_bias, "Initial b_beta of new PaTH layers, W_beta = 0 (default -3)");
+  convert->add_option("--gate-bias", ca->gate_bias, "Initial b_g of new forget gates, W_g = 0 (default 5)");
+  convert->add_option("--seed", ca->seed, "Seed of the new w projections and conv (default train.seed)")
+      ->check(non_negative_int());
+  convert->callback([ca, exit_code] {
+    guarded(exit_code, [&] {
+      ConvertOptions o;
+      o.attn = ca->attn;
+      o.overlay = overlay_from_sets(ca->sets);
+      o.beta_bias = ca->beta_bias;
+      o.gate_bias = ca->gate_bias;
+      o.seed = ca->seed;
+      const ConvertResult r = convert_checkpoint(ca->checkpoint, ca->out, o);
+      const json j = {{"out", ca->out}, {"attn", attn_kind_name(r.config.model.attn)}, {"carried", r.carried.size()},
+                      {"initialised", r.initialised}, {"dropped", r.dropped}, {"steps", r.config.train.steps},
+                      {"seed", r.config.train.seed}};
+      std::printf("%s\n", j.dump().c_str());
     });
   });
 
