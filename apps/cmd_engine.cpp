@@ -77,7 +77,7 @@ struct EvalArgs {
   std::string checkpoint, backend = "cpu", device;
   int batch = 32, threads = 0;
   std::vector<int64_t> seq_lens;
-  int64_t sequences = 0, bucket = 0;
+  int64_t sequences = 0, bucket = 0, tokens = 0;
 };
 
 struct SampleArgs {
@@ -205,6 +205,9 @@ void register_engine(CLI::App& app, int* exit_code) {
       ->delimiter(',');
   eval->add_option("--sequences", ea->sequences, "With --seq-len: windows per length (default task.eval_sequences)")
       ->check(non_negative_int());
+  eval->add_option("--tokens", ea->tokens,
+                   "With --seq-len: scored positions per length (windows = ceil(tokens / positions per window))")
+      ->check(non_negative_int());
   eval->add_option("--bucket", ea->bucket, "With --seq-len: positions per loss bucket (default the training seq_len)")
       ->check(non_negative_int());
   eval->callback([ea, eval, exit_code] {
@@ -215,6 +218,7 @@ void register_engine(CLI::App& app, int* exit_code) {
         LengthEvalOptions o;
         o.seq_lens = ea->seq_lens;
         o.sequences = ea->sequences;
+        o.tokens = ea->tokens;
         o.bucket = ea->bucket;
         if (eval->count("--batch") > 0) o.batch = ea->batch;
         o.backend = parse_backend(ea->backend);
@@ -222,7 +226,8 @@ void register_engine(CLI::App& app, int* exit_code) {
         std::printf("%s\n", evaluate_lengths(ea->checkpoint, o).dump(2).c_str());
         return;
       }
-      if (ea->sequences > 0 || ea->bucket > 0) throw EngineError("--sequences and --bucket go with --seq-len");
+      if (ea->sequences > 0 || ea->bucket > 0 || ea->tokens > 0)
+        throw EngineError("--sequences, --tokens and --bucket go with --seq-len");
       const json r = evaluate_checkpoint(ea->checkpoint, ea->batch, parse_backend(ea->backend), ea->threads,
                                          ea->device);
       std::printf("%s\n", r.dump(2).c_str());

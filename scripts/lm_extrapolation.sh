@@ -6,7 +6,7 @@
 #   bash scripts/lm_extrapolation.sh KIND SEED [RUNS_DIR]    (KIND: rope, path, fox, path-fox)
 #
 # Environment: PATHATTN (the program, default build/apps/pathattn), PATHATTN_DATA (the corpus directory,
-# default ~/.cache/pathattn/linux-c), EVAL_SEQUENCES (windows per length, default 64), STEPS (default: the
+# default ~/.cache/pathattn/linux-c), EVAL_TOKENS (scored positions per length, default 131072), STEPS (default: the
 # config's). Writes RUNS_DIR/KIND_sSEED/{ckpt.safetensors, metrics.jsonl, eval.json}.
 set -euo pipefail
 
@@ -31,6 +31,6 @@ if [ -n "${STEPS:-}" ]; then sets+=(--set "train.steps=$STEPS"); fi
 out="$runs/${kind}_s$seed"
 export OMP_NUM_THREADS=1
 "$exe" train --config configs/lm_linux_small.json "${sets[@]}" --out "$out" --no-progress > "$out.train.json"
-"$exe" eval "$out/ckpt.safetensors" --seq-len 512,1024,2048,4096,8192 --sequences "${EVAL_SEQUENCES:-64}" \
+"$exe" eval "$out/ckpt.safetensors" --seq-len 512,1024,2048,4096,8192 --tokens "${EVAL_TOKENS:-131072}" \
   --threads 1 > "$out/eval.json"
 echo "lm_extrapolation: $out/eval.json"

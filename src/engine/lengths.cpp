@@ -78,6 +78,7 @@ json eval_lengths_typed(const CheckpointInfo& ck, const LengthEvalOptions& opt, 
     TaskConfig tc = base.task;
     tc.seq_len = int(L);
     if (opt.sequences > 0) tc.eval_sequences = int(opt.sequences);
+    if (opt.tokens > 0) tc.eval_sequences = int((opt.tokens + (L - 1) - 1) / (L - 1));
     const auto task = make_task(tc);
     const int64_t batch =
         opt.batch > 0 ? opt.batch : std::max<int64_t>(1, opt.tokens_per_forward / std::max<int64_t>(1, task->model_len()));
@@ -95,6 +96,9 @@ json evaluate_lengths(const std::string& path, const LengthEvalOptions& opt) {
       throw EngineError("--seq-len: expected lengths in [2, 16777216], got " + std::to_string(L));
   if (opt.sequences < 0 || opt.sequences > (1 << 24))
     throw EngineError("--sequences: expected a count in [0, 16777216], got " + std::to_string(opt.sequences));
+  if (opt.tokens < 0 || opt.tokens > (int64_t(1) << 36))
+    throw EngineError("--tokens: expected a count in [0, 2^36], got " + std::to_string(opt.tokens));
+  if (opt.tokens > 0 && opt.sequences > 0) throw EngineError("--tokens: give --tokens or --sequences, not both");
   if (opt.bucket < 0) throw EngineError("--bucket: expected a count >= 0, got " + std::to_string(opt.bucket));
   if (opt.batch < 0) throw EngineError("--batch: expected a count >= 0, got " + std::to_string(opt.batch));
   if (opt.tokens_per_forward < 1)

@@ -24,6 +24,8 @@ nlohmann::json evaluate_by_position(Model<T>& model, const Task& task, int64_t b
 struct LengthEvalOptions {
   std::vector<int64_t> seq_lens;  // task.seq_len values to evaluate at (bytes per window, as in training)
   int64_t sequences = 0;          // windows per length; 0: the checkpoint's task.eval_sequences
+  int64_t tokens = 0;             // instead: windows per length = ceil(tokens / positions per window), so
+                                  // every length scores about the same number of positions
   int64_t bucket = 0;             // positions per bucket; 0: the checkpoint's task.seq_len
   int64_t batch = 0;              // windows per forward; 0: max(1, tokens_per_forward / length)
   int64_t tokens_per_forward = 32768;

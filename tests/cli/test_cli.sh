@@ -37,7 +37,8 @@ expect_fail "--tokens: expected an integer >= 0" sample "$ck" --tokens -3
 expect_fail "--top-k: expected an integer >= 0" sample "$ck" --top-k -2
 expect_fail "--seed: expected an integer >= 0" sample "$ck" --seed -1
 expect_fail "--seq-len" eval "$ck" --seq-len 1
-expect_fail "--sequences and --bucket go with --seq-len" eval "$ck" --bucket 4
+expect_fail "--sequences, --tokens and --bucket go with --seq-len" eval "$ck" --bucket 4
+expect_fail "--tokens: give --tokens or --sequences" eval "$ck" --seq-len 16 --tokens 40 --sequences 2
 expect_fail "--seq-len evaluates on the cpu device" eval "$ck" --seq-len 16 --device cuda
 expect_fail "--attn" convert "$ck" --attn stick --out "$dir/conv.safetensors"
 expect_fail "--out" convert "$ck" --attn path

@@ -292,6 +292,11 @@ TEST(EngineLengths, BucketsAgreeWithTheOrdinaryEvaluation) {
   EXPECT_EQ(r["lengths"][0]["val"]["loss_by_bucket"].size(), 1u);
   EXPECT_EQ(r["lengths"][1]["val"]["loss_by_bucket"].size(), 2u);
   EXPECT_EQ(r["lengths"][1]["val"]["count"].get<int64_t>(), 3 * 79);
+  lo.sequences = 0;
+  lo.tokens = 200;  // ceil(200 / 39) = 6 windows of 40, ceil(200 / 79) = 3 of 80
+  const nlohmann::json rt = evaluate_lengths(d + "/ck.safetensors", lo);
+  EXPECT_EQ(rt["lengths"][0]["val"]["sequences"].get<int64_t>(), 6);
+  EXPECT_EQ(rt["lengths"][1]["val"]["sequences"].get<int64_t>(), 3);
   lo.seq_lens = {1};
   expect_error_with([&] { evaluate_lengths(d + "/ck.safetensors", lo); }, {"--seq-len"});
   lo.seq_lens = {100000};  // longer than the validation split
