@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/lm_extrapolation.sh: one model of the length-extrapolation experiment (results/extrapolation.md):
 # trains attention kind KIND with seed SEED on the corpus of scripts/get_corpus.sh at T_train = 512
-# (configs/lm_linux_small.json), then evaluates the checkpoint on the validation split at 1x .. 16x T_train.
+# (configs/bytes_linux_small.json), then evaluates the checkpoint on the validation split at 1x .. 16x T_train.
 #
 #   bash scripts/lm_extrapolation.sh KIND SEED [RUNS_DIR]    (KIND: rope, path, fox, path-fox)
 #
@@ -30,7 +30,7 @@ sets=(--set "model.attn=$kind" --set "model.mlp_hidden=$hidden" --set "train.see
 if [ -n "${STEPS:-}" ]; then sets+=(--set "train.steps=$STEPS"); fi
 out="$runs/${kind}_s$seed"
 export OMP_NUM_THREADS=1
-"$exe" train --config configs/lm_linux_small.json "${sets[@]}" --out "$out" --no-progress > "$out.train.json"
+"$exe" train --config configs/bytes_linux_small.json "${sets[@]}" --out "$out" --no-progress > "$out.train.json"
 "$exe" eval "$out/ckpt.safetensors" --seq-len 512,1024,2048,4096,8192 --tokens "${EVAL_TOKENS:-131072}" \
   --threads 1 > "$out/eval.json"
 echo "lm_extrapolation: $out/eval.json"
