@@ -79,6 +79,10 @@ json eval_lengths_typed(const CheckpointInfo& ck, const LengthEvalOptions& opt, 
     tc.seq_len = int(L);
     if (opt.sequences > 0) tc.eval_sequences = int(opt.sequences);
     if (opt.tokens > 0) tc.eval_sequences = int((opt.tokens + (L - 1) - 1) / (L - 1));
+    // Test windows are drawn from the validation split alone (at offsets past the training split): with
+    // separate val_files the training split can be any text at least a window long, so the validation
+    // files stand in for it and a gigabyte of training text is not read for nothing. Same windows.
+    if (tc.name == "bytes" && !tc.val_files.empty()) tc.files = tc.val_files;
     const auto task = make_task(tc);
     const int64_t batch =
         opt.batch > 0 ? opt.batch : std::max<int64_t>(1, opt.tokens_per_forward / std::max<int64_t>(1, task->model_len()));

@@ -292,6 +292,10 @@ TEST(EngineLengths, BucketsAgreeWithTheOrdinaryEvaluation) {
   EXPECT_EQ(r["lengths"][0]["val"]["loss_by_bucket"].size(), 1u);
   EXPECT_EQ(r["lengths"][1]["val"]["loss_by_bucket"].size(), 2u);
   EXPECT_EQ(r["lengths"][1]["val"]["count"].get<int64_t>(), 3 * 79);
+  // The same windows as the ordinary evaluation of the task with its training files.
+  c.task.eval_sequences = 3;
+  EXPECT_NEAR(r["lengths"][0]["val"]["loss"].get<double>(), evaluate(m, *make_task(c.task), 3)["val"]["loss"].get<double>(),
+              1e-12);
   lo.sequences = 0;
   lo.tokens = 200;  // ceil(200 / 39) = 6 windows of 40, ceil(200 / 79) = 3 of 80
   const nlohmann::json rt = evaluate_lengths(d + "/ck.safetensors", lo);
