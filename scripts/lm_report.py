@@ -4,7 +4,8 @@
     python3 scripts/lm_report.py --svg results/extrapolation.svg LABEL=RUN_DIR/eval.json ...
 
 Prints markdown: loss per evaluation length (mean over whole windows, nats per byte) with the ratio of the
-loss at 8x T_train to the loss at T_train, and the loss per position bucket of the longest evaluation.
+loss at 8x T_train to the loss at T_train (separate window sets, and within the same 8x windows), and the
+loss per position bucket of the longest evaluation.
 The SVG has two panels: the loss per position bucket of the longest evaluation, and the window loss against
 the evaluation length. Standard library only; every number comes from the files named.
 """
@@ -29,20 +30,31 @@ def ratio(d, num, den):
     return a["loss"] / b["loss"] if a and b else float("nan")
 
 
+def same_window_ratios(d, L, t0):
+    """From the L-byte windows alone: (mean over all positions) / (mean over the first t0 - 1 positions), and
+    (mean over the last bucket) / (mean over the first bucket). By causality the first t0 - 1 positions of a
+    window are exactly what a t0-byte evaluation of that window's start would score, so these compare
+    lengths on the same text."""
+    v = d["by_len"].get(L)
+    if not v:
+        return float("nan"), float("nan")
+    first = v["loss_by_bucket"][0]
+    return v["loss"] / first, v["loss_by_bucket"][-1] / first
+
+
 def tables(runs):
     lens = sorted({L for d in runs for L in d["by_len"]})
     t0 = runs[0]["train_seq_len"]
     out = []
     head = "| model | attn | params | step | " + " | ".join(f"{L // t0}x ({L})" for L in lens)
-    head += " | 8x / 1x | last 512 of 8x / 1x |"
-    out += [head, "|" + "---|" * (len(lens) + 6)]
+    head += " | 8x / 1x | 8x / 1x, same windows | last bucket / first, same windows |"
+    out += [head, "|" + "---|" * (len(lens) + 7)]
     for d in runs:
         cells = [f"{d['by_len'][L]['loss']:.4f}" if L in d["by_len"] else "-" for L in lens]
         r8 = ratio(d, 8 * t0, t0)
-        last = d["by_len"].get(8 * t0)
-        rl = last["loss_by_bucket"][-1] / d["by_len"][t0]["loss"] if last and t0 in d["by_len"] else float("nan")
+        rs, rl = same_window_ratios(d, 8 * t0, t0)
         out.append(f"| {d['label']} | {d['attn']} | {d['params']} | {d['step']} | " + " | ".join(cells) +
-                   f" | {r8:.3f} | {rl:.3f} |")
+                   f" | {r8:.3f} | {rs:.3f} | {rl:.3f} |")
     longest = max(lens)
     nb = max(len(d["by_len"][longest]["loss_by_bucket"]) for d in runs if longest in d["by_len"])
     show = [k for k in (0, 1, 3, 7, 15, 31, 63) if k < nb]
