@@ -1,5 +1,5 @@
 // apps/cmd_engine.cpp: the engine's subcommands: `pathattn train | eval | sample |
-// repro {flipflop,a5,mqrar,long-context} | tasks show | export-hf | import-hf`.
+// repro {flipflop,a5,mqrar,long-context} | tasks show | convert | export-hf | import-hf`.
 // Thin wrappers over src/engine (run.h, repro.h); every engine error is printed as "error: <message>" with
 // exit code 1.
 #include <unistd.h>
@@ -15,8 +15,10 @@
 
 #include "commands.h"
 #include "engine/config.h"
+#include "engine/convert.h"
 #include "engine/embedded.h"
 #include "engine/hf.h"
+#include "engine/lengths.h"
 #include "engine/longctx.h"
 #include "engine/repro.h"
 #include "engine/run.h"
@@ -76,6 +78,8 @@ struct TrainArgs {
 struct EvalArgs {
   std::string checkpoint, backend = "cpu", device;
   int batch = 32, threads = 0;
+  std::vector<int64_t> seq_lens;
+  int64_t sequences = 0, bucket = 0, tokens = 0;
 };
 
 struct SampleArgs {
@@ -88,6 +92,11 @@ struct SampleArgs {
 struct HfArgs {
   std::string checkpoint, dir, config, preset;
   std::vector<std::string> sets;
+struct ConvertArgs {
+  std::string checkpoint, out, attn;
+  std::vector<std::string> sets;
+  double beta_bias = -3.0, gate_bias = 5.0;
+  uint64_t seed = 0;
 };
 
 struct ShowArgs {
@@ -212,8 +221,34 @@ void register_engine(CLI::App& app, int* exit_code) {
   eval->add_option("--backend", ea->backend, "Attention backend: cpu or oracle");
   eval->add_option("--threads", ea->threads, "Attention threads (0: default)")->check(CLI::Range(0, 1024));
   eval->add_option("--device", ea->device, "Evaluate on cpu or cuda (default: the checkpoint's train.device, or cpu where no GPU is usable)");
-  eval->callback([ea, exit_code] {
+  eval->add_option("--seq-len", ea->seq_lens,
+                   "Evaluate at these task.seq_len values instead (comma-separated; loss per position bucket)")
+      ->delimiter(',');
+  eval->add_option("--sequences", ea->sequences, "With --seq-len: windows per length (default task.eval_sequences)")
+      ->check(non_negative_int());
+  eval->add_option("--tokens", ea->tokens,
+                   "With --seq-len: scored positions per length (windows = ceil(tokens / positions per window))")
+      ->check(non_negative_int());
+  eval->add_option("--bucket", ea->bucket, "With --seq-len: positions per loss bucket (default the training seq_len)")
+      ->check(non_negative_int());
+  eval->callback([ea, eval, exit_code] {
     guarded(exit_code, [&] {
+      if (!ea->seq_lens.empty()) {
+        if (!ea->device.empty() && ea->device != "cpu")
+          throw EngineError("--seq-len evaluates on the cpu device; drop --device " + ea->device);
+        LengthEvalOptions o;
+        o.seq_lens = ea->seq_lens;
+        o.sequences = ea->sequences;
+        o.tokens = ea->tokens;
+        o.bucket = ea->bucket;
+        if (eval->count("--batch") > 0) o.batch = ea->batch;
+        o.backend = parse_backend(ea->backend);
+        o.threads = ea->threads;
+        std::printf("%s\n", evaluate_lengths(ea->checkpoint, o).dump(2).c_str());
+        return;
+      }
+      if (ea->sequences > 0 || ea->bucket > 0 || ea->tokens > 0)
+        throw EngineError("--sequences, --tokens and --bucket go with --seq-len");
       const json r = evaluate_checkpoint(ea->checkpoint, ea->batch, parse_backend(ea->backend), ea->threads,
                                          ea->device);
       std::printf("%s\n", r.dump(2).c_str());
@@ -270,6 +305,34 @@ void register_engine(CLI::App& app, int* exit_code) {
       base = overlay_config(base, overlay_from_sets(im->sets));
       import_hf(im->dir, im->checkpoint, base);
       std::printf("%s\n", json({{"dir", im->dir}, {"checkpoint", im->checkpoint}}).dump().c_str());
+    });
+  });
+
+  // convert
+  auto ca = std::make_shared<ConvertArgs>();
+  CLI::App* convert = app.add_subcommand(
+      "convert", "Turn a checkpoint into one of another attention kind for continued training (docs/engine.md)");
+  convert->add_option("checkpoint", ca->checkpoint, "Source checkpoint (.safetensors), e.g. a rope model")->required();
+  convert->add_option("--attn", ca->attn, "Target attention kind: path, path-fox, fox, rope, nope")->required();
+  convert->add_option("--out", ca->out, "Converted checkpoint to write")->required();
+  convert->add_option("--set", ca->sets, "Override a config key of the target: section.key=value (repeatable)");
+  convert->add_option("--beta-bias", ca->beta_bias, "Initial b_beta of new PaTH layers, W_beta = 0 (default -3)");
+  convert->add_option("--gate-bias", ca->gate_bias, "Initial b_g of new forget gates, W_g = 0 (default 5)");
+  convert->add_option("--seed", ca->seed, "Seed of the new w projections and conv (default train.seed)")
+      ->check(non_negative_int());
+  convert->callback([ca, exit_code] {
+    guarded(exit_code, [&] {
+      ConvertOptions o;
+      o.attn = ca->attn;
+      o.overlay = overlay_from_sets(ca->sets);
+      o.beta_bias = ca->beta_bias;
+      o.gate_bias = ca->gate_bias;
+      o.seed = ca->seed;
+      const ConvertResult r = convert_checkpoint(ca->checkpoint, ca->out, o);
+      const json j = {{"out", ca->out}, {"attn", attn_kind_name(r.config.model.attn)}, {"carried", r.carried.size()},
+                      {"initialised", r.initialised}, {"dropped", r.dropped}, {"steps", r.config.train.steps},
+                      {"seed", r.config.train.seed}};
+      std::printf("%s\n", j.dump().c_str());
     });
   });
 

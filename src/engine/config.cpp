@@ -169,6 +169,7 @@ void read_task_keys(Section& s, TaskConfig* t, bool component) {
   s.get("n_values", &t->n_values, 2, 4096);
   s.get("query_prob", &t->query_prob, 0.0, 1.0, true);
   s.get("files", &t->files);
+  s.get("val_files", &t->val_files);
   s.get("val_fraction", &t->val_fraction, 0.0, 0.9, true);
   s.get("haystack", &t->haystack, {"filler", "text"});
   s.get("niah_variant", &t->niah_variant, {"single", "multikey", "multivalue", "multiquery"});
@@ -362,6 +363,7 @@ json config_to_json(const RunConfig& c) {
                {"eval_sequences", t.eval_sequences}, {"min_len", t.min_len},
                {"curriculum_steps", t.curriculum_steps}, {"n_back", t.n_back}, {"n_keys", t.n_keys},
                {"n_values", t.n_values}, {"query_prob", t.query_prob}, {"files", t.files},
+               {"val_files", t.val_files},
                {"val_fraction", t.val_fraction}, {"haystack", t.haystack}, {"niah_variant", t.niah_variant},
                {"n_needles", t.n_needles}, {"depths", t.depths}, {"n_chains", t.n_chains}, {"n_hops", t.n_hops},
                {"n_entries", t.n_entries}, {"babi_task", t.babi_task}, {"n_facts", t.n_facts},

@@ -71,8 +71,9 @@ struct TaskConfig {
   int n_keys = 32, n_values = 32;
   double query_prob = 0.25;       // probability that an event is a query (when one is possible)
   // bytes
-  std::vector<std::string> files;  // text files, concatenated in order
-  double val_fraction = 0.1;       // last fraction of the bytes is the validation split
+  std::vector<std::string> files;      // text files, concatenated in order
+  std::vector<std::string> val_files;  // validation text files; empty: the last val_fraction of `files`
+  double val_fraction = 0.1;           // last fraction of the bytes is the validation split (no val_files)
   // long-context text tasks (niah, vartrack, phonebook, babi; docs/tasks.md)
   std::string haystack = "filler";      // niah, vartrack, babi: "filler" (repeated noise) or "text" (prose)
   std::string niah_variant = "single";  // single | multikey | multivalue | multiquery

@@ -36,6 +36,14 @@ expect_fail "temperature: expected a finite number >= 0" sample "$ck" --temperat
 expect_fail "--tokens: expected an integer >= 0" sample "$ck" --tokens -3
 expect_fail "--top-k: expected an integer >= 0" sample "$ck" --top-k -2
 expect_fail "--seed: expected an integer >= 0" sample "$ck" --seed -1
+expect_fail "--seq-len" eval "$ck" --seq-len 1
+expect_fail "--sequences, --tokens and --bucket go with --seq-len" eval "$ck" --bucket 4
+expect_fail "--tokens: give --tokens or --sequences" eval "$ck" --seq-len 16 --tokens 40 --sequences 2
+expect_fail "--seq-len evaluates on the cpu device" eval "$ck" --seq-len 16 --device cuda
+expect_fail "--attn" convert "$ck" --attn stick --out "$dir/conv.safetensors"
+expect_fail "--out" convert "$ck" --attn path
+expect_fail "--out: must differ" convert "$ck" --attn path --out "$ck"
+expect_fail "mlp.wfc" convert "$ck" --attn path --out "$dir/conv.safetensors" --set model.mlp_hidden=8
 expect_fail "--max-layers" repro a5 --max-layers 0 --out "$dir/a5"
 expect_fail "scales: expected multiples" repro long-context --small --scales 1,0 --out "$dir/lc"
 expect_fail "depths: expected needle depths" repro long-context --small --depths 0,2 --out "$dir/lc"
