@@ -92,6 +92,8 @@ struct SampleArgs {
 struct HfArgs {
   std::string checkpoint, dir, config, preset;
   std::vector<std::string> sets;
+};
+
 struct ConvertArgs {
   std::string checkpoint, out, attn;
   std::vector<std::string> sets;
