@@ -14,6 +14,16 @@ import json
 import math
 
 COLORS = {"rope": "#d62728", "path": "#1f77b4", "fox": "#2ca02c", "path-fox": "#9467bd"}
+PALETTE = ["#1f77b4", "#9467bd", "#d62728", "#17becf", "#2ca02c", "#ff7f0e"]
+
+
+def color(runs, d):
+    """By attention kind, unless two runs of one kind differ by more than the seed: then by position."""
+    kinds = [r["attn"] for r in runs]
+    stems = {r["label"].rsplit("_s", 1)[0] for r in runs if r["attn"] == d["attn"]}
+    if kinds.count(d["attn"]) > 1 and len(stems) > 1:
+        return PALETTE[runs.index(d) % len(PALETTE)]
+    return COLORS.get(d["attn"], "#333")
 
 
 def load(arg):
@@ -110,8 +120,8 @@ def svg(runs, path, title):
             s.append(f"<line x1='{X(t0):.1f}' y1='{pad}' x2='{X(t0):.1f}' y2='{pad + ph}' stroke='#888' "
                      "stroke-dasharray='2,3'/>")
         for d, c in curves:
-            col = COLORS.get(d["attn"], "#333")
-            dash = "" if d["label"].endswith("s1") or "_" not in d["label"] else " stroke-dasharray='6,3'"
+            col = color(runs, d)
+            dash = " stroke-dasharray='6,3'" if d["label"].endswith("_s2") else ""
             pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in c)
             s.append(f"<polyline points='{pts}' fill='none' stroke='{col}' stroke-width='1.6'{dash}/>")
 
@@ -120,7 +130,7 @@ def svg(runs, path, title):
           xs1)
     panel(2 * pad + pw, curves2, "evaluation length (bytes)", "loss over whole windows (nats/byte)", lens)
     for i, d in enumerate(runs):
-        col = COLORS.get(d["attn"], "#333")
+        col = color(runs, d)
         s.append(f"<text x='{pad + 8}' y='{pad + 14 + 13 * i}' fill='{col}'>{d['label']}</text>")
     s.append("</svg>")
     with open(path, "w") as f:
