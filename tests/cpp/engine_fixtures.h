@@ -1,10 +1,11 @@
 // tests/cpp/engine_fixtures.h: what the engine test programs share: a fresh temporary directory, the tiny
-// flip-flop run configuration, and single-threaded BLAS for the tiny models.
+// flip-flop run configuration, single-threaded BLAS for the tiny models, and expect_error.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <initializer_list>
 #include <string>
 
 #include <unistd.h>
@@ -13,6 +14,18 @@
 #include "engine/config.h"
 
 namespace pathattn::engine::test {
+
+// Expects `fn` to throw EngineError whose message contains every fragment.
+template <typename F>
+void expect_error(F&& fn, std::initializer_list<const char*> fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << *fragments.begin() << "\"";
+  } catch (const EngineError& e) {
+    const std::string m = e.what();
+    for (const char* f : fragments) EXPECT_NE(m.find(f), std::string::npos) << "message: " << m << "\nlacks: " << f;
+  }
+}
 
 // A fresh, empty directory under the system temp dir, unique to this process: <tmp>/pathattn_engine_<name>_<pid>.
 inline std::string temp_dir(const std::string& name) {

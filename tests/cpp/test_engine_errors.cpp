@@ -25,6 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using test::expect_error;
 using test::temp_dir;
 
 void write(const std::string& path, const std::string& bytes) {
@@ -37,17 +38,6 @@ std::string read(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
-// Expects `fn` to throw EngineError whose message contains every fragment.
-template <typename F>
-void expect_error(F&& fn, std::initializer_list<const char*> fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << *fragments.begin() << "\"";
-  } catch (const EngineError& e) {
-    const std::string m = e.what();
-    for (const char* f : fragments) EXPECT_NE(m.find(f), std::string::npos) << "message: " << m << "\nlacks: " << f;
-  }
-}
 
 TEST(EngineErrors, MalformedConfigs) {
   expect_error([] { parse_config_text("{\"model\": {\"d_model\": 64,}", "c.json"); }, {"c.json", "not valid JSON"});

@@ -27,6 +27,8 @@
 namespace pathattn::engine {
 namespace {
 
+using test::expect_error;
+
 TaskConfig text_config(const std::string& name, int seq_len, const std::string& haystack = "filler") {
   TaskConfig c;
   c.name = name;
@@ -404,17 +406,6 @@ TEST(EngineLongCtx, MatchesTheReferenceExamples) {
     }
   }
   EXPECT_GE(hashed, 300);
-}
-
-template <typename F>
-void expect_error(F&& fn, std::initializer_list<const char*> fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << *fragments.begin() << "\"";
-  } catch (const EngineError& e) {
-    const std::string m = e.what();
-    for (const char* f : fragments) EXPECT_NE(m.find(f), std::string::npos) << "message: " << m << "\nlacks: " << f;
-  }
 }
 
 TEST(EngineLongCtx, BadSettingsNameTheKey) {

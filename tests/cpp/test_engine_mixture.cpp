@@ -26,20 +26,11 @@
 namespace pathattn::engine {
 namespace {
 
+using test::expect_error;
+
 using nlohmann::json;
 
 const auto* const kSingleThreaded = ::testing::AddGlobalTestEnvironment(new test::SingleThreadedBlas);
-
-template <typename F>
-void expect_error(F&& fn, std::initializer_list<const char*> fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << *fragments.begin() << "\"";
-  } catch (const EngineError& e) {
-    const std::string m = e.what();
-    for (const char* f : fragments) EXPECT_NE(m.find(f), std::string::npos) << "message: " << m << "\nlacks: " << f;
-  }
-}
 
 TaskConfig task_of(const std::string& json_text) {
   return parse_config_text(json_text, "test config").task;
