@@ -17,8 +17,9 @@
 // Build (repository root; -Xptxas -v: 167 / 126 registers at K = 128 / 64, no spills):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Isrc -Idev/cuda \
 //        dev/cuda/chunk_prep_wg.cu src/cuda/kernels/prep_chunk.cu -o chunk_prep_wg
-// Run: ./chunk_prep_wg [--check-only] [--debug] [--runs N]: small shapes (every item against fp64), then the bench
-// shapes (sampled items; timing) unless --check-only; --debug compares wg1's A, E, Z^T, U^T, W2, X with fp64.
+// Run: ./chunk_prep_wg [--check-only | --bench-only] [--debug] [--runs N]: small shapes (every item against fp64)
+// unless --bench-only, then the bench shapes (sampled items; timing) unless --check-only; --debug compares wg1's
+// A, E, Z^T, U^T, W2, X with fp64.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -725,7 +726,7 @@ void describe(const char* name) {
 // transform on checked items, comparisons, timing.
 
 struct Opts {
-  bool check_only = false, debug = false;
+  bool check_only = false, bench_only = false, debug = false;
   int runs = 20;
 };
 struct Shape {
@@ -1113,10 +1114,11 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--check-only") o.check_only = true;
+    else if (a == "--bench-only") o.bench_only = true;
     else if (a == "--debug") o.debug = true;
     else if (a == "--runs" && i + 1 < argc) o.runs = std::max(1, std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr, "usage: %s [--check-only] [--debug] [--runs N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--check-only | --bench-only] [--debug] [--runs N]\n", argv[0]);
       return 2;
     }
   }
@@ -1132,7 +1134,8 @@ int main(int argc, char** argv) {
                           {64, 2, 4, 1, 100, false}};
   const Shape bench[] = {{128, 16, 16, 8, 4096, true}, {64, 32, 32, 8, 4096, true}, {128, 4, 16, 8, 4096, true}};
   int bad = 0;
-  for (const Shape& s : checks) bad += s.K == 128 ? run_shape<128>(s, o) : run_shape<64>(s, o);
+  if (!o.bench_only)
+    for (const Shape& s : checks) bad += s.K == 128 ? run_shape<128>(s, o) : run_shape<64>(s, o);
   if (!o.check_only)
     for (const Shape& s : bench) bad += s.K == 128 ? run_shape<128>(s, o) : run_shape<64>(s, o);
   std::printf(bad ? "\nFAILED (%d shapes)\n" : "\nall checks passed\n", bad);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuda/device/copies.cuh"
+#include "cuda/device/finite.cuh"
 #include "cuda/device/inverse.cuh"
 #include "cuda/device/launch.cuh"
 #include "cuda/device/mma.cuh"

@@ -58,6 +58,7 @@ struct BwdChunk {
   __half* W2h;  // W2 as fp16 [64][LT] (w2h) over W2f until the heads' loop ends
   T *Ks, *Qs;
   int ci, h, tid, nq;
+  int r0;  // the first row with a non-finite k, w or beta (those rows on zeroed in shared memory), kChunk if none
   ChunkDesc ch;
   int64_t pos0, tok0;
   // Set in recompute_ut where the staging first needs them (set in the constructor, ptxas spilled differently).
@@ -99,6 +100,24 @@ struct BwdChunk {
     tok0 = ch.b * p.T + pos0;
     qp = static_cast<const T*>(p.q);
     qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
+  }
+
+  // A non-finite k, w or beta (finite.cuh): r0, and the staged k, w, beta zeroed from row r0 on, as chunk_prep
+  // did. Ends with the tiles visible to the block.
+  __device__ __forceinline__ void zero_nonfinite_rows() {
+    __shared__ int slot;
+    int first = zero_nonfinite_tile<K>(Ks, LT, nq, tid, kThreads);
+    first = min(first, zero_nonfinite_tile<K>(Wf, LW, nq, tid, kThreads));
+    first = min(first, zero_nonfinite_vec(bs, nq, tid, kThreads));
+    r0 = block_first_nonfinite(first, &slot);
+    if (r0 >= nq) {
+      r0 = kChunk;
+      return;
+    }
+    zero_rows_from<K>(Ks, LT, r0, nq, tid, kThreads);
+    zero_rows_from<K>(Wf, LW, r0, nq, tid, kThreads);
+    if (tid >= r0 && tid < nq) bs[tid] = 0.f;
+    __syncthreads();
   }
 
   // Z = strict_lower(W K^T) -> Zs (before the heads' loop, and after it where dQs lay over Zs).
@@ -166,11 +185,13 @@ struct BwdChunk {
     }
     cp_async_wait_group<4>();  // G0
     __syncthreads();
+    zero_nonfinite_rows();
     PA_PROBE(1);
     compute_z();
     cp_async_wait_group<3>();  // G1: E, W2
     __syncthreads();
     load_e(Es, LC, reinterpret_cast<const __half*>(dUs), LE, tid, kThreads);
+    if (r0 < nq) zero_rows_from<K>(W2h, LT, r0, nq, tid, kThreads);  // as chunk_prep computed E and W2
     __syncthreads();
     PA_PROBE(4);
     block_mm_tc<kChunk, kChunk, kChunk, false, kU, false>(
@@ -323,9 +344,9 @@ struct BwdChunk {
     block_mm_tc2_pairs<kChunk, K, kChunk, kChunk, false, kU>(
         dAa, k_rk, a_rows(dXs, LC), w_rk,
         [&](int r, int d, float v, float u) {
-          if (r < nq)
-            store2(dqp + ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d, dQt(r, d) + v,
-                   dQt(r, d + 1) + u, dq_pair);
+          if (r < nq)  // rows from a non-finite one on: NaN, as the definition gives
+            store2(dqp + ch.b * p.dq_s[0] + (pos0 + r) * p.dq_s[1] + hq * p.dq_s[2] + d,
+                   r < r0 ? dQt(r, d) + v : nan_f32(), r < r0 ? dQt(r, d + 1) + u : nan_f32(), dq_pair);
         },
         kFull.kmax_r(0), kFull.kmax_r(0));
     // dK += dA_loc^T Q;  dW += dX^T Q;  dW2 -= X^T dq~.
@@ -431,6 +452,11 @@ struct BwdChunk {
 
   // Outputs (column pairs by one store each where the tensors' alignment allows).
   __device__ __forceinline__ void store_outputs(Acc& dWa, Acc& dKa) {
+    if (r0 < nq) {  // a non-finite row: every key's gradient reaches through it (computed here from zeros)
+      TK::each_pair(dWa, [&](int, int, float& v, float& u) { v = u = nan_f32(); });
+      TK::each_pair(dKa, [&](int, int, float& v, float& u) { v = u = nan_f32(); });
+      if (tid < kChunk) dbs[tid] = nan_f32();
+    }
     T* dkp = static_cast<T*>(p.dk);
     const bool dk_pair = vec2_ok(dkp, p.dk_s[0], p.dk_s[1], p.dk_s[2]);
     TK::each_pair(dKa, [&](int r, int d, float& v, float& u) {

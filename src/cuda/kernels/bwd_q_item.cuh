@@ -286,8 +286,9 @@ struct BwdQItem {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {  // column pairs c, c + 1: one store each
         const int r = rr[hr], c = 8 * nt + 2 * t4;
-        const float ds0 = pr[nt][2 * hr] * (dp[0][nt][2 * hr] - del[r]);
-        const float ds1 = pr[nt][2 * hr + 1] * (dp[0][nt][2 * hr + 1] - del[r]);
+        // Masked by selection, not by P's zeros: a non-finite v at a later row makes dP NaN in its column.
+        const float ds0 = c <= r ? pr[nt][2 * hr] * (dp[0][nt][2 * hr] - del[r]) : 0.f;
+        const float ds1 = c + 1 <= r ? pr[nt][2 * hr + 1] * (dp[0][nt][2 * hr + 1] - del[r]) : 0.f;
         *reinterpret_cast<float2*>(dXs + r * LX + c) = make_float2(ds0, ds1);
         *reinterpret_cast<uint32_t*>(Ps + r * LP + c) = Pack2<T>::pack(pr[nt][2 * hr], pr[nt][2 * hr + 1]);
         if (r < nq)

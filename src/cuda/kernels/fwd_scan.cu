@@ -152,10 +152,18 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   load_tile_async<2 * kChunk>(Ws + wg * kChunk * 2 * LA,
                               reinterpret_cast<const __half*>(p.aloc + (tokq0 * p.HQ + hq) * kChunk),
                               int64_t(p.HQ) * kChunk * 2, nq, wtid);
-  load_chunk(top, 0, max(0, min(kChunk, ch.len - top * kChunk)), false);
-  if (NP == 2) load_chunk(ch.c, 1, max(0, min(kChunk, ch.len - ch.c * kChunk)), true);
+  const int n_top = max(0, min(kChunk, ch.len - top * kChunk)), n_low = max(0, min(kChunk, ch.len - ch.c * kChunk));
+  load_chunk(top, 0, n_top, false);
+  if (NP == 2) load_chunk(ch.c, 1, n_low, true);
   cp_async_wait_all();
   __syncthreads();
+  // A non-finite v in a diagonal chunk (finite.cuh): zeroed in the staged tiles; the rows from it on are NaN.
+  // With two chunks a CTA the lower one's tile also serves the upper chunk's queries, all of which come after it.
+  __shared__ int slot[2];
+  const int2 bad = block_first_nonfinite2(
+      zero_nonfinite_tile<V>(Vs, LV, n_top, threadIdx.x, blockDim.x),
+      NP == 2 ? zero_nonfinite_tile<V>(Vs + kChunk * LV, LV, n_low, threadIdx.x, blockDim.x) : INT32_MAX, slot);
+  const int bad_top = bad.x, bad_low = bad.y;
   if (NP == 1 && qc > stop) load_chunk(qc - 1, 1, kChunk, true);
   {
     const int st = (top - qc) & 1;
@@ -165,6 +173,12 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     diag_scores<LA>(s, As, Gks, rr, nq, t4, sl2, gl2, Gq);
     softmax_step(s, m, l, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
+    const int cut = min(st == 0 ? bad_top : bad_low, NP == 2 && wg == 1 && bad_low != INT32_MAX ? 0 : INT32_MAX);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      if (rr[hr] >= cut)
+#pragma unroll
+        for (int nt = 0; nt < V / 8; ++nt) o[nt][2 * hr] = o[nt][2 * hr + 1] = nan_f32();
   }
   // Key chunks right to left; a warpgroup takes part in those below its own chunk.
   for (int kc = top - 1; kc >= stop; --kc) {

@@ -79,6 +79,28 @@ __device__ __forceinline__ void stage_prep_set(const KernelParams& p, int item, 
   }
 }
 
+// A non-finite k, w or beta in the staged set: its first row into *bad (kChunk if none; kept in shared memory,
+// read where the stores need it: a register held across the item spills), the set's rows from there on zeroed
+// (finite.cuh). Ends with the set visible to the block.
+template <typename T, int K>
+__device__ __noinline__ void zero_nonfinite_rows(const KernelParams& p, int item, const PrepSet<T, K>& st,
+                                                    int* bad) {
+  const int nq = chunk_rows(p.chunks[item / p.H]), tid = threadIdx.x;
+  int first = zero_nonfinite_tile<K>(st.Ks, PrepSmem<K>::LT, nq, tid, kPrepThreads);
+  first = min(first, zero_nonfinite_tile<K>(st.Wf, PrepSmem<K>::LW, nq, tid, kPrepThreads));
+  first = min(first, zero_nonfinite_vec(st.bs, nq, tid, kPrepThreads));
+  const int r0 = block_first_nonfinite(first, bad);
+  if (r0 >= nq) {
+    if (tid == 0) *bad = kChunk;  // read after the item's next barrier
+    return;
+  }
+  zero_rows_from<K>(st.Ks, PrepSmem<K>::LT, r0, nq, tid, kPrepThreads);
+  zero_rows_from<K>(st.Wf, PrepSmem<K>::LW, r0, nq, tid, kPrepThreads);
+  if (tid >= r0 && tid < nq) st.bs[tid] = 0.f;
+  if (tid == 0) *bad = r0;
+  __syncthreads();
+}
+
 // W's fp32 tile -> its fp16 tile over the same region (every thread's reads before the barrier, its writes after).
 template <int K>
 __device__ __forceinline__ void w_to_half(const float* Wf, __half* Wh, int tid) {
@@ -104,7 +126,7 @@ __device__ __forceinline__ void w_to_half(const float* Wf, __half* Wh, int tid) 
 // on 16-bit mma (q and k are exact in T), X U in tf32; staged in R2 once every warp is past X, stored as 16-byte rows.
 template <typename T, int K>
 __device__ __forceinline__ void store_aloc(const KernelParams& p, const T* Qc, const T* Ks, const float* R1,
-                                           float* R2, int64_t tok0, int hq, int nq, int tid) {
+                                           float* R2, int64_t tok0, int hq, int nq, int r0, int tid) {
   constexpr int LT = PrepSmem<K>::LT, LC = PrepSmem<K>::LC;
   constexpr int kU = kTcUnroll(K);
   {
@@ -124,15 +146,16 @@ __device__ __forceinline__ void store_aloc(const KernelParams& p, const T* Qc, c
   for (int idx = tid; idx < nq * (kChunk / 4); idx += blockDim.x) {
     const int r = idx / (kChunk / 4), c = 4 * (idx % (kChunk / 4));
     *reinterpret_cast<float4*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
-        *reinterpret_cast<const float4*>(R2 + r * LC + c);
+        r < r0 ? *reinterpret_cast<const float4*>(R2 + r * LC + c)
+               : make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32());
   }
 }
 
 // One (chunk, kv head) item, from its inputs st (staged and visible to the block); `shared` holds W2h, R1, R2
-// and Qx (kQx).
+// and Qx (kQx). *bad: the first row with a non-finite k, w or beta (zeroed from there in st), kChunk if none.
 template <typename T, int K>
 __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item, const PrepSet<T, K>& st,
-                                                uint8_t* shared) {
+                                                uint8_t* shared, const int* bad) {
   using S = PrepSmem<K>;
   constexpr int kU = kTcUnroll(K);
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
@@ -206,12 +229,17 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
       },
       kFull.kmin_r(1));
   __syncthreads();
+  // A chunk with a non-finite row: every k~ (moved across that row) and w16 from that row on are NaN, so that
+  // later queries crossing the chunk see it; W2 stays as computed (bwd_chunk reads it with the same rows zeroed).
   T* ktp = static_cast<T*>(p.kt);
+  const uint2 nan_t = make_uint2(nan_pair<T>(), nan_pair<T>());
+  const uint2 nan_h = make_uint2(nan_pair<__half>(), nan_pair<__half>());
+  const int r0 = *bad;
   for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
     const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
-    *reinterpret_cast<uint2*>(ktp + o) = *reinterpret_cast<const uint2*>(Kst + r * LT + d);
-    *reinterpret_cast<uint2*>(p.w16 + o) = *reinterpret_cast<const uint2*>(Wh + r * LT + d);
+    *reinterpret_cast<uint2*>(ktp + o) = r0 >= nq ? *reinterpret_cast<const uint2*>(Kst + r * LT + d) : nan_t;
+    *reinterpret_cast<uint2*>(p.w16 + o) = r < r0 ? *reinterpret_cast<const uint2*>(Wh + r * LT + d) : nan_h;
     *reinterpret_cast<uint2*>(p.w2h + o) = *reinterpret_cast<const uint2*>(W2h + r * LT + d);
   }
   // Per query head of the group.
@@ -254,7 +282,7 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
                 Pack2<__half>::pack(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
-    store_aloc<T, K>(p, Qc, Ks, R1, R2, tok0, hq, nq, tid);
+    store_aloc<T, K>(p, Qc, Ks, R1, R2, tok0, hq, nq, *bad, tid);
   }
   PA_PROBE(9);
 }
@@ -279,8 +307,10 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
   }
   stage_prep_set<T, K>(p, int(blockIdx.x), set0);
   __syncthreads();
+  __shared__ int bad;
+  zero_nonfinite_rows<T, K>(p, int(blockIdx.x), set0, &bad);
   PA_PROBE(1);
-  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set);
+  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set, &bad);
 }
 
 
