@@ -78,6 +78,7 @@ Status alloc_common(Workspace& ws, KernelParams& kp, const Tables& t, const core
   kp.kt = kt;
   PA_CU(ws.alloc(&kp.qtl, NT * HQ * K));
   PA_CU(ws.alloc(&kp.aloc, NT * HQ * kChunk));
+  PA_CU(ws.alloc(&kp.bad, size_t(kp.nchunks) * H));  // chunk_prep -> its repair launch (and bwd_chunk)
   if (pr.gate) {
     PA_CU(ws.alloc(&kp.G, NT * HQ));
     PA_CU(ws.alloc(&kp.gc, size_t(kp.nchunks) * HQ * kChunk));

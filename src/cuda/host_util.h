@@ -18,10 +18,15 @@ namespace pathattn::cuda {
 inline Status unsupported(const std::string& m) { return Status(Status::Code::unsupported, m); }
 inline Status internal(const std::string& m) { return Status(Status::Code::internal, m); }
 
+// A failed CUDA call as a Status. The runtime's last error is cleared with it (taken over by the Status), so a
+// failure such as an allocation's does not fail the next call's launch checks.
 #define PA_CU(expr)                                                                              \
   do {                                                                                           \
     cudaError_t _e = (expr);                                                                     \
-    if (_e != cudaSuccess) return ::pathattn::cuda::internal(std::string("cuda: ") + #expr + ": " + cudaGetErrorString(_e)); \
+    if (_e != cudaSuccess) {                                                                     \
+      (void)cudaGetLastError();                                                                  \
+      return ::pathattn::cuda::internal(std::string("cuda: ") + #expr + ": " + cudaGetErrorString(_e)); \
+    }                                                                                            \
   } while (0)
 
 // Stream-ordered allocations released together (also on early error returns). Three modes: the default

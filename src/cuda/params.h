@@ -103,6 +103,8 @@ struct KernelParams {
   __half* E;        // [nchunks, H, 64, 64] each chunk's E = (I + A)^-1, fp16 with a power of two a row (the
                     //              backward's chunk_prep writes it for bwd_chunk, store_e / load_e; null in the
                     //              forward)
+  int32_t* bad;     // [nchunks, H] the first row of each chunk with a non-finite k, w or beta, kChunk if none
+                    //              (chunk_prep and its repair launch write it; bwd_chunk reads the backward's)
   float* dkt;       // [NT, H, K]   gradient w.r.t. the chunk-end keys
   float* dvk;       // [NT, H, V]   the far superblocks' P^T dO summed over the group (bwd_k_far; else null;
                     //              dvdiag itself where dvk_merged())

@@ -1377,6 +1377,83 @@ TEST(CudaBackend, NonFiniteInputsStayConfined) {
   }
 }
 
+// Out of memory: with all but a little of the device's memory taken, a forward and a backward whose workspace
+// cannot be had return a named error (or, had they fit, the same results), leave no fault behind and change no
+// input; once the memory is back the same calls give the results of a run without the squeeze.
+TEST(CudaBackend, OutOfMemoryFailsCleanly) {
+  REQUIRE_GPU();
+  CaseSpec s = mk(4096, 16, 16, 128, 128, true, BetaMode::uniform02, DType::bf16, 96);
+  s.B = 4;
+  const Case c = Case::make(s);
+  const HostTensor dout = random_dout(c, 97);
+  GpuCase g(c, &dout);
+  const GpuRun ref = run_gpu(g, true, false);
+  ASSERT_TRUE(ref.fs.ok() && ref.bs.ok()) << ref.fs.message() << ref.bs.message();
+  // Outputs allocated before the squeeze, so that only the library's own workspace can fail.
+  GpuRun r;
+  r.o = HostTensor(s.dtype, {s.B, s.T, s.HQ, s.V});
+  r.lse = HostTensor(DType::f32, {s.B, s.T, s.HQ});
+  r.dq = HostTensor(s.dtype, {s.B, s.T, s.HQ, s.K});
+  r.dk = HostTensor(s.dtype, {s.B, s.T, s.H, s.K});
+  r.dv = HostTensor(s.dtype, {s.B, s.T, s.H, s.V});
+  r.dw = HostTensor(c.w.dtype(), {s.B, s.T, s.H, s.K});
+  r.dbeta = HostTensor(c.beta.dtype(), {s.B, s.T, s.H});
+  r.dg = HostTensor(c.g.dtype(), {s.B, s.T, s.HQ});
+  DevTensor o(r.o, false), lse(r.lse, false), dq(r.dq, false), dk(r.dk, false), dv(r.dv, false), dw(r.dw, false),
+      dbeta(r.dbeta, false), dg(r.dg, false);
+  const PathFwdParams fp = g.fwd_params(o, lse);
+  PathBwdParams bp = bwd_params_for(fp);
+  bp.do_ = vw(g.dout);
+  bp.dq = vw(dq);
+  bp.dk = vw(dk);
+  bp.dv = vw(dv);
+  bp.dw = vw(dw);
+  bp.dbeta = vw(dbeta);
+  bp.dg = vw(dg);
+  const std::vector<const DevTensor*> inputs = {&g.q, &g.k, &g.v, &g.w, &g.beta, &g.g, &g.dout};
+  std::vector<std::vector<uint8_t>> before;
+  for (const DevTensor* t : inputs) before.push_back(t->raw());
+  ASSERT_TRUE(path_attn_fwd(fp).ok());  // o and lse for the squeezed backward
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The squeeze: the stream-ordered pool's cached blocks released, then all but 16 MiB taken.
+  cudaMemPool_t pool;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolTrimTo(pool, 0), cudaSuccess);
+  size_t free_b = 0, total_b = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_b, &total_b), cudaSuccess);
+  void* hog = nullptr;
+  size_t take = free_b > (16u << 20) ? free_b - (16u << 20) : 0;
+  while (take > 0 && cudaMalloc(&hog, take) != cudaSuccess) {
+    (void)cudaGetLastError();
+    take = take > (64u << 20) ? take - (64u << 20) : 0;
+  }
+  const Status fs = path_attn_fwd(fp);
+  const cudaError_t fsync = cudaDeviceSynchronize();
+  const Status bs = path_attn_bwd(bp);
+  const cudaError_t bsync = cudaDeviceSynchronize();
+  if (hog) cudaFree(hog);
+  EXPECT_EQ(fsync, cudaSuccess);
+  EXPECT_EQ(bsync, cudaSuccess);
+  for (const Status* st : {&fs, &bs})
+    if (!st->ok()) {
+      EXPECT_EQ(st->code(), Status::Code::internal);
+      EXPECT_NE(st->message().find("out of memory"), std::string::npos) << st->message();
+    }
+  std::printf("[oom] forward: %s | backward: %s\n", fs.ok() ? "ran" : fs.message().c_str(),
+              bs.ok() ? "ran" : bs.message().c_str());
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_TRUE(inputs[i]->raw() == before[i]) << "input " << i << " changed";
+  // Memory back: the same calls again, against the run without the squeeze (the same plan: bitwise in the
+  // forward; the backward's atomics make it equal to rounding only).
+  ASSERT_TRUE(path_attn_fwd(fp).ok());
+  ASSERT_TRUE(path_attn_bwd(bp).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  o.to_host(r.o);
+  lse.to_host(r.lse);
+  dq.to_host(r.dq);
+  EXPECT_TRUE(o.raw() == DevTensor(ref.o).raw());
+  EXPECT_LT(err(r.dq, ref.dq), 1e-3);
+}
+
 // Decode soak: one prompt token, then 32768 decode steps on the device cache. The outputs of sampled steps
 // against the definition in fp64 (ref_row), and the drift printed: the relative L2 error over each window of
 // samples, to see whether the fp32 cache's error grows with the length.

@@ -81,7 +81,7 @@ __device__ __forceinline__ void store4(float* dst, float4 v) { *reinterpret_cast
 // Stages 64 x D tiles of one or two row-strided global sources into shared memory, 4 elements per step, every
 // load of a thread issued before its first store (so their latencies overlap). Row r of source i starts at
 // src_i + off_i(r) (D contiguous elements); rows >= nvalid (and all of a null source) are zero; dst_i has
-// leading dim ld_i (a multiple of 4).
+// leading dim ld_i (a multiple of 4). Returns whether this thread loaded a non-finite value (finite.cuh).
 template <typename E>
 struct TileSrc {
   const E* src;  // null: zeros
@@ -89,7 +89,7 @@ struct TileSrc {
   bool vec;
 };
 template <int D, typename E1, typename D1, typename E2, typename D2>
-__device__ __forceinline__ void stage_tiles4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
+__device__ __forceinline__ bool stage_tiles4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
                                              const TileSrc<E2>& b, int64_t b0, int64_t b2, D2* db, int ldb,
                                              int64_t row0, int nvalid) {
   constexpr int kG = 64 * D / 4 / kTcThreads;
@@ -103,12 +103,15 @@ __device__ __forceinline__ void stage_tiles4(const TileSrc<E1>& a, int64_t a0, i
     va[i] = ok && a.src ? load4(a.src + a0 * a.s0 + (row0 + r) * a.s1 + a2 * a.s2 + d, a.vec) : z;
     vb[i] = ok && b.src ? load4(b.src + b0 * b.s0 + (row0 + r) * b.s1 + b2 * b.s2 + d, b.vec) : z;
   }
+  bool bad = false;
 #pragma unroll
   for (int i = 0; i < kG; ++i) {
     const int idx = threadIdx.x + i * kTcThreads, r = idx / (D / 4), d = 4 * (idx % (D / 4));
     store4(da + r * lda + d, va[i]);
     if (db) store4(db + r * ldb + d, vb[i]);
+    bad |= !(isfinite(va[i].x + va[i].y + va[i].z + va[i].w) && isfinite(vb[i].x + vb[i].y + vb[i].z + vb[i].w));
   }
+  return bad;
 }
 // A workspace tensor [token][H][D] (contiguous, 16-byte aligned rows) as a TileSrc: rows are tokens, i2 the head.
 template <int D, typename E>
@@ -116,9 +119,9 @@ __device__ __forceinline__ TileSrc<E> ws_src(const E* base, int H) {
   return TileSrc<E>{base, 0, int64_t(H) * D, D, true};
 }
 template <int D, typename E1, typename D1>
-__device__ __forceinline__ void stage_tile4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
+__device__ __forceinline__ bool stage_tile4(const TileSrc<E1>& a, int64_t a0, int64_t a2, D1* da, int lda,
                                             int64_t row0, int nvalid) {
-  stage_tiles4<D>(a, a0, a2, da, lda, TileSrc<float>{nullptr, 0, 0, 0, false}, 0, 0, static_cast<float*>(nullptr), 0,
+  return stage_tiles4<D>(a, a0, a2, da, lda, TileSrc<float>{nullptr, 0, 0, 0, false}, 0, 0, static_cast<float*>(nullptr), 0,
                   row0, nvalid);
 }
 // Whether rows base + i s0 + j s1 + k s2 start 16-byte aligned (cp.async's 16-byte copies).
@@ -153,9 +156,10 @@ __device__ __forceinline__ void stage_tile_async(const TileSrc<E>& a, int64_t a0
 // A chunk's k rows (16-bit type T, into Ks, leading dim lt) and w rows (W: p.w's element type, converted to fp32
 // into Wf, leading dim lw) of kv head h, rows from position pos0 of batch row b; rows >= nq and (without the
 // transport) w are zero. With `async`, by stage_tile_async (not committed), each tile whose rows allow it (a 16-bit
-// w is converted on the way, so it is staged at once).
+// w is converted on the way, so it is staged at once). Without it, returns whether this thread loaded a
+// non-finite value.
 template <int K, typename W, class P, typename T>
-__device__ __forceinline__ void stage_chunk_kw_as(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
+__device__ __forceinline__ bool stage_chunk_kw_as(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
                                                   float* Wf, int lw, bool async) {
   const T* kp = static_cast<const T*>(p.k);
   const W* wp = p.path ? static_cast<const W*>(p.w) : nullptr;
@@ -167,19 +171,16 @@ __device__ __forceinline__ void stage_chunk_kw_as(const P& p, int64_t b, int64_t
       stage_tile_async<K>(ws, b, h, Wf, lw, pos0, nq, vec16_ok(wp, p.w_s[0], p.w_s[1], p.w_s[2]));
     else
       stage_tile4<K>(ws, b, h, Wf, lw, pos0, nq);
-  } else {
-    stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
+    return false;  // not checked
   }
+  return stage_tiles4<K>(ks, b, h, Ks, lt, ws, b, h, Wf, lw, pos0, nq);
 }
 template <int K, class P, typename T>
-__device__ __forceinline__ void stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
+__device__ __forceinline__ bool stage_chunk_kw(const P& p, int64_t b, int64_t pos0, int h, int nq, T* Ks, int lt,
                                                float* Wf, int lw, bool async = false) {
-  if (p.w_dt == ParamDt::bf16)
-    stage_chunk_kw_as<K, __nv_bfloat16>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
-  else if (p.w_dt == ParamDt::f16)
-    stage_chunk_kw_as<K, __half>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
-  else
-    stage_chunk_kw_as<K, float>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
+  if (p.w_dt == ParamDt::bf16) return stage_chunk_kw_as<K, __nv_bfloat16>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
+  if (p.w_dt == ParamDt::f16) return stage_chunk_kw_as<K, __half>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
+  return stage_chunk_kw_as<K, float>(p, b, pos0, h, nq, Ks, lt, Wf, lw, async);
 }
 
 // One warp: acc (a 16 x 8 C fragment) += A B over an inner dimension KD, both operands fp32 in shared memory

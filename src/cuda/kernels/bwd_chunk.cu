@@ -102,18 +102,10 @@ struct BwdChunk {
     qvec = vec4_ok(qp, p.q_s[0], p.q_s[1], p.q_s[2]);
   }
 
-  // A non-finite k, w or beta (finite.cuh): r0, and the staged k, w, beta zeroed from row r0 on, as chunk_prep
-  // did. Ends with the tiles visible to the block.
+  // A chunk with a non-finite k, w or beta (finite.cuh; r0 from the backward's chunk_prep): the staged k, w, beta
+  // zeroed from row r0 on, as chunk_prep computed E and W2 (every value from those rows is replaced, so it does
+  // not matter that the tiles were staged unchecked). Ends with the tiles visible to the block.
   __device__ __forceinline__ void zero_nonfinite_rows() {
-    __shared__ int slot;
-    int first = zero_nonfinite_tile<K>(Ks, LT, nq, tid, kThreads);
-    first = min(first, zero_nonfinite_tile<K>(Wf, LW, nq, tid, kThreads));
-    first = min(first, zero_nonfinite_vec(bs, nq, tid, kThreads));
-    r0 = block_first_nonfinite(first, &slot);
-    if (r0 >= nq) {
-      r0 = kChunk;
-      return;
-    }
     zero_rows_from<K>(Ks, LT, r0, nq, tid, kThreads);
     zero_rows_from<K>(Wf, LW, r0, nq, tid, kThreads);
     if (tid >= r0 && tid < nq) bs[tid] = 0.f;
@@ -185,7 +177,8 @@ struct BwdChunk {
     }
     cp_async_wait_group<4>();  // G0
     __syncthreads();
-    zero_nonfinite_rows();
+    r0 = p.bad[ci * p.H + h];
+    if (r0 < nq) zero_nonfinite_rows();
     PA_PROBE(1);
     compute_z();
     cp_async_wait_group<3>();  // G1: E, W2

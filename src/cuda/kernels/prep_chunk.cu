@@ -64,41 +64,64 @@ struct PrepSet {
   }
 };
 
-// Item `item` (chunk item / H, kv head item % H)'s k and w tiles and beta into a set.
+// Item `item` (chunk item / H, kv head item % H)'s k and w tiles and beta into a set. Returns whether this thread
+// loaded a non-finite value.
 template <typename T, int K>
-__device__ __forceinline__ void stage_prep_set(const KernelParams& p, int item, const PrepSet<T, K>& st) {
+__device__ __forceinline__ bool stage_prep_set(const KernelParams& p, int item, const PrepSet<T, K>& st) {
   const ChunkDesc ch = p.chunks[item / p.H];
   const int h = item % p.H, nq = chunk_rows(ch);
   const int64_t pos0 = ch.t0 + int64_t(ch.c) * kChunk;
-  stage_chunk_kw<K>(p, ch.b, pos0, h, nq, st.Ks, PrepSmem<K>::LT, st.Wf, PrepSmem<K>::LW);
+  bool bad = stage_chunk_kw<K>(p, ch.b, pos0, h, nq, st.Ks, PrepSmem<K>::LT, st.Wf, PrepSmem<K>::LW);
   if (threadIdx.x < kChunk) {
     const int r = threadIdx.x;
     const bool ok = r < nq && p.path;
-    st.bs[r] = ok ? load_param(p.beta, p.beta_dt, ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2])
-                  : 0.f;
+    const float b =
+        ok ? load_param(p.beta, p.beta_dt, ch.b * p.beta_s[0] + (pos0 + r) * p.beta_s[1] + h * p.beta_s[2]) : 0.f;
+    st.bs[r] = b;
+    bad |= !isfinite(b);
   }
+  return bad;
 }
 
-// A non-finite k, w or beta in the staged set: its first row into *bad (kChunk if none; kept in shared memory,
-// read where the stores need it: a register held across the item spills), the set's rows from there on zeroed
-// (finite.cuh). Ends with the set visible to the block.
+// A set with a non-finite k, w or beta (rare: the staging saw one): its first row into *bad (kChunk if none), the
+// set's rows from there on zeroed (finite.cuh). Ends with the set visible to the block.
 template <typename T, int K>
-__device__ __noinline__ void zero_nonfinite_rows(const KernelParams& p, int item, const PrepSet<T, K>& st,
-                                                    int* bad) {
+__device__ __forceinline__ void zero_nonfinite_rows(const KernelParams& p, int item, T* Ks, float* Wf, float* bs,
+                                                 int* bad) {
   const int nq = chunk_rows(p.chunks[item / p.H]), tid = threadIdx.x;
-  int first = zero_nonfinite_tile<K>(st.Ks, PrepSmem<K>::LT, nq, tid, kPrepThreads);
-  first = min(first, zero_nonfinite_tile<K>(st.Wf, PrepSmem<K>::LW, nq, tid, kPrepThreads));
-  first = min(first, zero_nonfinite_vec(st.bs, nq, tid, kPrepThreads));
-  const int r0 = block_first_nonfinite(first, bad);
-  if (r0 >= nq) {
-    if (tid == 0) *bad = kChunk;  // read after the item's next barrier
-    return;
+  int first = zero_nonfinite_tile<K>(Ks, PrepSmem<K>::LT, nq, tid, kPrepThreads);
+  first = min(first, zero_nonfinite_tile<K>(Wf, PrepSmem<K>::LW, nq, tid, kPrepThreads));
+  first = min(first, zero_nonfinite_vec(bs, nq, tid, kPrepThreads));
+  const int r0 = min(block_first_nonfinite(first, bad), kChunk);
+  if (r0 < nq) {
+    zero_rows_from<K>(Ks, PrepSmem<K>::LT, r0, nq, tid, kPrepThreads);
+    zero_rows_from<K>(Wf, PrepSmem<K>::LW, r0, nq, tid, kPrepThreads);
+    if (tid >= r0 && tid < nq) bs[tid] = 0.f;
   }
-  zero_rows_from<K>(st.Ks, PrepSmem<K>::LT, r0, nq, tid, kPrepThreads);
-  zero_rows_from<K>(st.Wf, PrepSmem<K>::LW, r0, nq, tid, kPrepThreads);
-  if (tid >= r0 && tid < nq) st.bs[tid] = 0.f;
-  if (tid == 0) *bad = r0;
   __syncthreads();
+  if (tid == 0) *bad = r0 < nq ? r0 : kChunk;  // read after the item's next barrier
+}
+
+// After an item whose row r0 was non-finite (computed with the rows from r0 on zeroed): every k~ (moved across
+// that row) and w16 from r0 on become NaN, so that later queries crossing the chunk see it, and A_loc's rows from r0
+// on. W2 (and the backward's E) stay as computed: bwd_chunk reads them with the same rows zeroed.
+template <typename T, int K>
+__device__ __forceinline__ void store_nonfinite_rows(const KernelParams& p, int item, int r0) {
+  const ChunkDesc ch = p.chunks[item / p.H];
+  const int h = item % p.H, nq = chunk_rows(ch);
+  const int64_t tok0 = ch.b * p.T + ch.t0 + int64_t(ch.c) * kChunk;
+  T* ktp = static_cast<T*>(p.kt);
+  const uint2 nan_t = make_uint2(nan_pair<T>(), nan_pair<T>());
+  const uint2 nan_h = make_uint2(nan_pair<__half>(), nan_pair<__half>());
+  for (int idx = threadIdx.x; idx < nq * (K / 4); idx += blockDim.x) {
+    const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
+    const int64_t o = ((tok0 + r) * p.H + h) * K + d;
+    *reinterpret_cast<uint2*>(ktp + o) = nan_t;
+    if (r >= r0) *reinterpret_cast<uint2*>(p.w16 + o) = nan_h;
+  }
+  for (int hq = h * p.group; hq < (h + 1) * p.group; ++hq)
+    for (int idx = threadIdx.x; idx < (nq - r0) * kChunk; idx += blockDim.x)
+      p.aloc[((tok0 + r0 + idx / kChunk) * p.HQ + hq) * kChunk + idx % kChunk] = nan_f32();
 }
 
 // W's fp32 tile -> its fp16 tile over the same region (every thread's reads before the barrier, its writes after).
@@ -126,7 +149,7 @@ __device__ __forceinline__ void w_to_half(const float* Wf, __half* Wh, int tid) 
 // on 16-bit mma (q and k are exact in T), X U in tf32; staged in R2 once every warp is past X, stored as 16-byte rows.
 template <typename T, int K>
 __device__ __forceinline__ void store_aloc(const KernelParams& p, const T* Qc, const T* Ks, const float* R1,
-                                           float* R2, int64_t tok0, int hq, int nq, int r0, int tid) {
+                                           float* R2, int64_t tok0, int hq, int nq, int tid) {
   constexpr int LT = PrepSmem<K>::LT, LC = PrepSmem<K>::LC;
   constexpr int kU = kTcUnroll(K);
   {
@@ -146,16 +169,15 @@ __device__ __forceinline__ void store_aloc(const KernelParams& p, const T* Qc, c
   for (int idx = tid; idx < nq * (kChunk / 4); idx += blockDim.x) {
     const int r = idx / (kChunk / 4), c = 4 * (idx % (kChunk / 4));
     *reinterpret_cast<float4*>(p.aloc + ((tok0 + r) * p.HQ + hq) * kChunk + c) =
-        r < r0 ? *reinterpret_cast<const float4*>(R2 + r * LC + c)
-               : make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32());
+        *reinterpret_cast<const float4*>(R2 + r * LC + c);
   }
 }
 
 // One (chunk, kv head) item, from its inputs st (staged and visible to the block); `shared` holds W2h, R1, R2
-// and Qx (kQx). *bad: the first row with a non-finite k, w or beta (zeroed from there in st), kChunk if none.
+// and Qx (kQx).
 template <typename T, int K>
 __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item, const PrepSet<T, K>& st,
-                                                uint8_t* shared, const int* bad) {
+                                                uint8_t* shared) {
   using S = PrepSmem<K>;
   constexpr int kU = kTcUnroll(K);
   constexpr int LW = S::LW, LT = S::LT, LC = S::LC;
@@ -229,17 +251,12 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
       },
       kFull.kmin_r(1));
   __syncthreads();
-  // A chunk with a non-finite row: every k~ (moved across that row) and w16 from that row on are NaN, so that
-  // later queries crossing the chunk see it; W2 stays as computed (bwd_chunk reads it with the same rows zeroed).
   T* ktp = static_cast<T*>(p.kt);
-  const uint2 nan_t = make_uint2(nan_pair<T>(), nan_pair<T>());
-  const uint2 nan_h = make_uint2(nan_pair<__half>(), nan_pair<__half>());
-  const int r0 = *bad;
   for (int idx = tid; idx < nq * (K / 4); idx += blockDim.x) {  // 4 elements a step (8-byte stores)
     const int r = idx / (K / 4), d = 4 * (idx % (K / 4));
     const int64_t o = ((tok0 + r) * p.H + h) * K + d;
-    *reinterpret_cast<uint2*>(ktp + o) = r0 >= nq ? *reinterpret_cast<const uint2*>(Kst + r * LT + d) : nan_t;
-    *reinterpret_cast<uint2*>(p.w16 + o) = r < r0 ? *reinterpret_cast<const uint2*>(Wh + r * LT + d) : nan_h;
+    *reinterpret_cast<uint2*>(ktp + o) = *reinterpret_cast<const uint2*>(Kst + r * LT + d);
+    *reinterpret_cast<uint2*>(p.w16 + o) = *reinterpret_cast<const uint2*>(Wh + r * LT + d);
     *reinterpret_cast<uint2*>(p.w2h + o) = *reinterpret_cast<const uint2*>(W2h + r * LT + d);
   }
   // Per query head of the group.
@@ -282,7 +299,7 @@ __device__ __forceinline__ void chunk_prep_item(const KernelParams& p, int item,
                 Pack2<__half>::pack(to_f(Qc[r * LT + d]) - v, to_f(Qc[r * LT + d + 1]) - u);
         },
         kFull.kmax_r(0));
-    store_aloc<T, K>(p, Qc, Ks, R1, R2, tok0, hq, nq, *bad, tid);
+    store_aloc<T, K>(p, Qc, Ks, R1, R2, tok0, hq, nq, tid);
   }
   PA_PROBE(9);
 }
@@ -305,12 +322,31 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
             make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
+  // A non-finite value seen while staging marks the item for chunk_prep_repair_kernel (0; kChunk: none).
+  const bool bad = __syncthreads_or(stage_prep_set<T, K>(p, int(blockIdx.x), set0));
+  if (threadIdx.x == 0 && p.bad != nullptr) p.bad[blockIdx.x] = bad ? 0 : kChunk;
+  PA_PROBE(1);
+  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set);
+}
+
+// The items chunk_prep_kernel marked, again (finite.cuh): the staged rows from the first non-finite one (r0) on
+// zeroed, the item recomputed over its outputs, then the outputs r0 reaches made NaN, and r0 into p.bad for
+// bwd_chunk (kChunk where the mark was an overflow of the check's sums, not a non-finite input). Apart from the
+// kernel above so that its rare path costs that kernel no registers.
+template <typename T, int K>
+__global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_repair_kernel(KernelParams p) {
+  using S = PrepSmem<K>;
+  extern __shared__ __align__(16) uint8_t prep_smem[];
+  if (p.bad == nullptr || p.bad[blockIdx.x] == kChunk) return;
+  const PrepSet<T, K> set0(prep_smem);
+  __shared__ int bad;
   stage_prep_set<T, K>(p, int(blockIdx.x), set0);
   __syncthreads();
-  __shared__ int bad;
-  zero_nonfinite_rows<T, K>(p, int(blockIdx.x), set0, &bad);
-  PA_PROBE(1);
-  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set, &bad);
+  zero_nonfinite_rows<T, K>(p, int(blockIdx.x), set0.Ks, set0.Wf, set0.bs, &bad);
+  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set);
+  __syncthreads();
+  if (threadIdx.x == 0) p.bad[blockIdx.x] = bad;
+  if (bad < kChunk) store_nonfinite_rows<T, K>(p, int(blockIdx.x), bad);
 }
 
 
@@ -346,7 +382,10 @@ size_t smem_chunk_prep(int K) { return K == 64 ? PrepSmem<64>::bytes : PrepSmem<
 
 template <typename T, int K>
 static cudaError_t prep_t(const KernelParams& p, cudaStream_t s) {
-  return launch_with_smem(chunk_prep_kernel<T, K>, item_head_grid(p.nchunks, p.H), kPrepThreads, smem_chunk_prep(K), s, p);
+  const dim3 grid = item_head_grid(p.nchunks, p.H);
+  const cudaError_t e = launch_with_smem(chunk_prep_kernel<T, K>, grid, kPrepThreads, smem_chunk_prep(K), s, p);
+  if (e != cudaSuccess) return e;
+  return launch_with_smem(chunk_prep_repair_kernel<T, K>, grid, kPrepThreads, smem_chunk_prep(K), s, p);
 }
 
 PA_PROBE_TABLE(prep)
