@@ -262,7 +262,7 @@ void decode(const InArray& q, const InArray& k, const InArray& v, const OptIn& w
 // The w preparation op (pathattn/w_conv_norm.h): out [B, T, D] from x, the optional convolution weight [D, W] and
 // bias [D], per-head L2 norm over head_dim channels.
 void wcn_fwd(const InArray& x, const OptIn& weight, const OptIn& bias, const OptIn& cu_seqlens, OutArray& out,
-                     int64_t head_dim, bool activation, double eps, int backend, int num_threads, uintptr_t stream) {
+             int64_t head_dim, bool activation, double eps, int backend, int num_threads, uintptr_t stream) {
   WConvNormFwdParams p;
   p.x = view_of("x", x);
   p.weight = opt_view("weight", weight);
@@ -279,8 +279,8 @@ void wcn_fwd(const InArray& x, const OptIn& weight, const OptIn& bias, const Opt
 }
 
 void wcn_bwd(const InArray& x, const OptIn& weight, const OptIn& bias, const OptIn& cu_seqlens,
-                     const InArray& dout, OutArray& dx, OptOut& dweight, OptOut& dbias, int64_t head_dim,
-                     bool activation, double eps, int backend, int num_threads, uintptr_t stream) {
+             const InArray& dout, OutArray& dx, OptOut& dweight, OptOut& dbias, int64_t head_dim,
+             bool activation, double eps, int backend, int num_threads, uintptr_t stream) {
   WConvNormBwdParams p;
   p.x = view_of("x", x);
   p.weight = opt_view("weight", weight);
