@@ -6,7 +6,8 @@ Layers (hidden 2048, 16 heads, head dim 128, bf16 parameters and activations, ca
   path_fox  the same with the forget gate (PaTH-FoX);
   fla       fla.layers.PaTHAttention (flash-linear-attention's Triton kernel), where the package imports.
 Beside each layer, the parts of the PaTH layer timed alone (each forward+backward on the shapes the layer makes):
-the attention op, the q / k / v / w / beta (/ g) projections, the w short convolution, the w L2 norm and the
+the attention op, the q / k / v / w / beta (/ g) projections, the w preparation (short convolution, SiLU and L2
+norm by head: the layer's w_conv_norm op, or its unfused modules where the op does not take the shape) and the
 output projection, so the layer's own non-attention cost is visible. The cases of a shape take turns in rounds
 (bench/gpu_bench.py's bench_rounds); every cell is the median of every timed run. Writes a markdown table (--out)
 and prints it. Benchmarks never gate anything.
@@ -69,8 +70,7 @@ def part_cases(layer, x, dy):
     import pathattn
     with torch.no_grad():
         q, k, v, w_raw, beta, g = layer._project(x)
-        w_conv, _ = layer.w_conv1d(w_raw) if layer.use_w_shortconv else (w_raw, None)
-        w = layer._w_heads(w_conv)
+        w = layer._prepare_w(w_raw, None)
         o, _ = pathattn.parallel_path_attn(q, k, v, w, beta, g)
 
     def leaf(t):
@@ -90,9 +90,7 @@ def part_cases(layer, x, dy):
     cases = {"op": fb(lambda *a: pathattn.parallel_path_attn(*a)[0], [leaf(t) for t in (q, k, v, w, beta, g)],
                       [torch.randn_like(o)]),
              "proj": fb(layer._project, [xq], [dq, dk, dv, dw, db, dg])}
-    if layer.use_w_shortconv:
-        cases["wconv"] = fb(lambda a: layer.w_conv1d(a)[0], [leaf(w_raw)], [torch.randn_like(w_raw)])
-    cases["l2norm"] = fb(layer._w_heads, [leaf(w_conv)], [torch.randn_like(w)])
+    cases["wprep"] = fb(lambda a: layer._prepare_w(a, None), [leaf(w_raw)], [torch.randn_like(w)])
     cases["o_proj"] = fb(layer._out, [leaf(o)], [dy])
     return cases
 
@@ -142,10 +140,11 @@ def main():
              "| fla / PaTH | runs a cell |", "|---|---|---|---|---|---|---|---|---|---|"]
     part_lines = ["", "## The PaTH layers' parts (forward+backward of each piece alone, ms)\n",
                   "op: pathattn's attention op; proj: the q, k, v, w, beta (and g) projections with beta's sigmoid "
-                  "and g's log-sigmoid; wconv: the w short convolution; l2norm: w's L2 norm by head; o_proj: the "
-                  "output projection; rest: the whole layer less these parts (autograd glue, casts, copies).\n",
-                  "| T | layer | layer | op | proj | wconv | l2norm | o_proj | rest | op share |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "and g's log-sigmoid; wprep: w's short convolution, SiLU and L2 norm by head (the w_conv_norm op; "
+                  "its gradient reaches the convolution's weight too); o_proj: the output projection; rest: the whole "
+                  "layer less these parts (autograd glue, casts, copies).\n",
+                  "| T | layer | layer | op | proj | wprep | o_proj | rest | op share |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for T in (int(t) for t in args.Ts.split(",")):
         B = max(1, TOKENS // T)
         x = torch.randn(B, T, HIDDEN, device=dev, dtype=dt, requires_grad=True)
@@ -167,7 +166,7 @@ def main():
                      f"{min(v[1] for v in ms.values())} |")
         if not args.no_parts:
             for name in ("path", "path_fox"):
-                parts = [m.get(f"{name}:{p}", 0.0) for p in ("op", "proj", "wconv", "l2norm", "o_proj")]
+                parts = [m.get(f"{name}:{p}", 0.0) for p in ("op", "proj", "wprep", "o_proj")]
                 rest = m[name] - sum(parts)
                 part_lines.append(f"| {T} | {name} | {m[name]:.2f} | " + " | ".join(f"{p:.2f}" for p in parts)
                                   + f" | {rest:.2f} | {parts[0] / m[name]:.2f} |")

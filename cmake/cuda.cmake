@@ -46,6 +46,8 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/kernels/bwd_super.cu
   src/cuda/kernels/bwd_chunk.cu
   src/cuda/kernels/decode.cu
+  src/cuda/kernels/w_conv_norm.cu
+  src/cuda/w_conv_norm.cu
   src/cuda/bwd_run.cu
   src/cuda/planner.cu
   src/cuda/param_dtypes.cu

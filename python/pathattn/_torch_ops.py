@@ -5,8 +5,10 @@
     torch.ops.pathattn.path_attn_bwd(do, q, k, v, w?, beta?, g?, cu_seqlens?, o, lse, scale, gate_scale,
                                      backend, deterministic, validate=False) -> (dq, dk, dv, dw, dbeta, dg)
 
-Both have fake (meta) implementations, so torch.compile traces them without graph breaks; the forward
-has a registered autograd formula (the backward op), differentiable in q, k, v, w, beta and g. Tensors
+and the w preparation op's pair w_conv_norm_fwd / w_conv_norm_bwd (at the end of this file; pathattn.nn uses it).
+All have fake (meta) implementations, so torch.compile traces them without graph breaks; each forward
+has a registered autograd formula (its backward op): the attention op differentiable in q, k, v, w, beta and g,
+the w op in x, weight and bias. Tensors
 cross into C++ through DLPack without copies; a CUDA call runs on torch's current stream. Absent optional
 outputs are returned as empty tensors (k_cache without use_cache; dw, dbeta, dg without w, beta, g).
 """
@@ -188,3 +190,84 @@ def backward(q, k, v, w, beta, g, o, lse, do, scale, cu_seqlens, gate_scale, det
     return (dq, dk, dv, dw if w is not None else None, dbeta if beta is not None else None,
             dg if g is not None else None)
 
+
+
+# -- the w preparation op (include/pathattn/w_conv_norm.h) ---------------------------------------------------------
+#    torch.ops.pathattn.w_conv_norm_fwd(x, weight?, bias?, cu_seqlens?, head_dim, activation, eps, backend) -> out
+#    torch.ops.pathattn.w_conv_norm_bwd(dout, x, weight?, bias?, cu_seqlens?, head_dim, activation, eps, backend)
+#        -> (dx, dweight, dbias)   (dweight / dbias empty when weight / bias are None)
+
+# Whether this build has the CUDA backend: read once here so the layer's choice of path is a constant to torch.compile.
+CUDA_BUILT = "cuda" in _C.build_info()
+# What the CUDA kernels of the op take (cuda_backend.h); the layer falls back to the unfused ops elsewhere.
+W_CONV_NORM_CUDA_HEAD_DIMS = (16, 32, 64, 128, 256)
+W_CONV_NORM_CUDA_MAX_WIDTH = 4
+
+
+@torch.library.custom_op("pathattn::w_conv_norm_fwd", mutates_args=())
+def w_conv_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                    head_dim: int, activation: bool, eps: float, backend: int) -> Tensor:
+    """out [B, T, D] in x's dtype: per-head L2 norm of act(causal depthwise conv(x)); weight [D, W], bias [D]."""
+    x, weight, bias = (_arg(t) for t in (x, weight, bias))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with _device_guard(x):
+        _C.w_conv_norm_fwd(x=x, weight=weight, bias=bias, cu_seqlens=_host(cu_seqlens), out=out, head_dim=head_dim,
+                           activation=activation, eps=eps, backend=backend, num_threads=0, stream=_stream(x))
+    return out
+
+
+@w_conv_norm_fwd.register_fake
+def _w_conv_norm_fwd_fake(x, weight, bias, cu_seqlens, head_dim, activation, eps, backend):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("pathattn::w_conv_norm_bwd", mutates_args=())
+def w_conv_norm_bwd(dout: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                    cu_seqlens: Optional[Tensor], head_dim: int, activation: bool, eps: float,
+                    backend: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """dx (x's dtype), dweight, dbias (weight's / bias's dtype; empty when absent)."""
+    dout, x, weight, bias = (_arg(t) for t in (dout, x, weight, bias))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dweight = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if weight is not None else None
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=x.device) if bias is not None else None
+    with _device_guard(x):
+        _C.w_conv_norm_bwd(x=x, weight=weight, bias=bias, cu_seqlens=_host(cu_seqlens), dout=dout, dx=dx,
+                           dweight=dweight, dbias=dbias, head_dim=head_dim, activation=activation, eps=eps,
+                           backend=backend, num_threads=0, stream=_stream(x))
+    fdt = _float_dtype(x)
+    return dx, dweight if dweight is not None else _empty0(x, fdt), dbias if dbias is not None else _empty0(x, fdt)
+
+
+@w_conv_norm_bwd.register_fake
+def _w_conv_norm_bwd_fake(dout, x, weight, bias, cu_seqlens, head_dim, activation, eps, backend):
+    fdt = _float_dtype(x)
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,), dtype=fdt),
+            bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,), dtype=fdt))
+
+
+def _wcn_setup_context(ctx, inputs, output):
+    x, weight, bias, cu_seqlens, head_dim, activation, eps, backend = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens)
+    ctx.head_dim, ctx.activation, ctx.eps, ctx.backend = head_dim, activation, eps, backend
+
+
+def _wcn_backward(ctx, dout):
+    x, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dweight, dbias = torch.ops.pathattn.w_conv_norm_bwd(dout, x, weight, bias, cu_seqlens, ctx.head_dim,
+                                                            ctx.activation, ctx.eps, ctx.backend)
+    return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
+            None, None, None, None, None)
+
+
+w_conv_norm_fwd.register_autograd(_wcn_backward, setup_context=_wcn_setup_context)
+
+
+def w_conv_norm(x, weight, bias, head_dim, cu_seqlens, activation, eps, code):
+    """The torch side of pathattn.nn.w_conv_norm (arguments checked there); weight [D, W] or [D, 1, W]."""
+    if weight is not None and weight.dim() == 3:
+        if weight.shape[1] != 1:
+            raise ValueError(f"weight: expected [D, W] or nn.Conv1d's depthwise [D, 1, W], got {list(weight.shape)}")
+        weight = weight[:, 0, :]
+    _check_devices(x, (("weight", weight), ("bias", bias)))
+    return torch.ops.pathattn.w_conv_norm_fwd(x, weight, bias, _cu_tensor(cu_seqlens), head_dim, activation, eps,
+                                              code)

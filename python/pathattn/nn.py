@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import decode as _decode
-from ._api import enable_torch, parallel_path_attn
+from ._api import backend_code, enable_torch, parallel_path_attn
 
 enable_torch()  # the custom ops, also where PATHATTN_NO_TORCH skipped them at import
+from . import _torch_ops  # noqa: E402  (registered by enable_torch)
 
 
 def _acc(x):
@@ -70,16 +71,22 @@ class ShortConvolution(nn.Conv1d):
             y = y + self.bias.to(xf.dtype)
         if self.activation is not None:
             y = F.silu(y)
-        state = None
-        if output_final_state:
-            if cu_seqlens is None:
-                state = xx[:, T:].transpose(1, 2).to(x.dtype)  # the last W - 1 rows of [prev, x]
-            else:
-                j = torch.arange(W - 1, device=x.device)
-                idx = cu[1:, None] - (W - 1) + j[None]  # [N, W - 1] packed indices
-                valid = (idx >= cu[:-1, None]).to(xf.dtype)
-                state = (xf[0][idx.clamp(min=0)] * valid[..., None]).transpose(1, 2).to(x.dtype)
+        state = self.final_state(x, cache, cu_seqlens) if output_final_state else None
         return y.to(x.dtype), state
+
+    def final_state(self, x, cache=None, cu_seqlens=None):
+        """The state forward(x, cache, output_final_state=True, cu_seqlens) returns, without the convolution:
+        [N, D, W-1] in x's dtype, the last W-1 inputs of each sequence (zeros before its start)."""
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        if cu_seqlens is None:
+            prev = cache.to(x.dtype).transpose(1, 2) if cache is not None else x.new_zeros((B, W - 1, D))
+            return torch.cat([prev, x], dim=1)[:, T:].transpose(1, 2)  # the last W - 1 rows of [prev, x]
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        j = torch.arange(W - 1, device=x.device)
+        idx = cu[1:, None] - (W - 1) + j[None]  # [N, W - 1] packed indices
+        valid = (idx >= cu[:-1, None]).to(x.dtype)
+        return (x[0][idx.clamp(min=0)] * valid[..., None]).transpose(1, 2)
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +107,26 @@ def l2_norm(x, eps=1e-6):
     """x / sqrt(sum x^2 + eps) over the last dimension, in float32 (float64 for float64 x)."""
     xf = _acc(x)
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
+
+
+def w_conv_norm(x, weight=None, bias=None, *, head_dim, cu_seqlens=None, activation=True, eps=1e-6, backend=None):
+    """The PaTH layer's w preparation as one op (include/pathattn/w_conv_norm.h), differentiable in x, weight, bias.
+
+    x [B, T, D] (D = heads * head_dim): z = causal depthwise convolution of x over time with weight [D, W] (or
+    nn.Conv1d's [D, 1, W]; tap i multiplies x[t - (W - 1 - i)]) plus bias [D], restarting at every cu_seqlens
+    boundary; a = SiLU(z) if activation else z; out = a / sqrt(sum a^2 + eps) over each head's head_dim channels.
+    weight None: no convolution (the norm alone, after SiLU if activation). Computed in float32 (float64 for
+    float64 x, and on the oracle backend), returned in x's dtype. This is ShortConvolution(activation="silu")
+    followed by l2_norm, to rounding, in one pass over x each way. backend: None / 'cpu' / 'oracle' / 'cuda'.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"x: expected 3 dimensions [B, T, D], got {x.dim()} {list(x.shape)}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"head_dim: expected an int, got {type(head_dim).__name__}")
+    return _torch_ops.w_conv_norm(x, weight, bias, head_dim, cu_seqlens, bool(activation), float(eps),
+                                  backend_code(backend))
 
 
 @dataclass
@@ -176,6 +203,29 @@ class PaTHAttention(nn.Module):
         B, T, _ = w.shape
         return l2_norm(w.view(B, T, self.num_kv_heads, self.head_dim))
 
+    def _fused_w(self, w):
+        """Whether the library's w_conv_norm op takes w: host tensors always, CUDA ones in a CUDA build for the head
+        dims and widths its kernels have (elsewhere the unfused modules run)."""
+        if w.device.type == "cpu":
+            return True
+        return (w.device.type == "cuda" and _torch_ops.CUDA_BUILT and w.dtype != torch.float64
+                and self.head_dim in _torch_ops.W_CONV_NORM_CUDA_HEAD_DIMS
+                and (not self.use_w_shortconv or self.w_conv1d.kernel_size[0] <= _torch_ops.W_CONV_NORM_CUDA_MAX_WIDTH))
+
+    def _prepare_w(self, w, cu_seqlens):
+        """raw w [B, T, kv_dim] -> [B, T, H, head_dim]: the short convolution with SiLU (use_w_shortconv) and the L2
+        norm per head, as one op (w_conv_norm, in w's dtype) where _fused_w, else as ShortConvolution + l2_norm."""
+        B, T, _ = w.shape
+        conv = self.w_conv1d if self.use_w_shortconv else None
+        if not self._fused_w(w):
+            if conv is not None:
+                w, _ = conv(w, cu_seqlens=cu_seqlens)
+            return self._w_heads(w)
+        out = w_conv_norm(w, conv.weight if conv is not None else None, conv.bias if conv is not None else None,
+                          head_dim=self.head_dim, cu_seqlens=cu_seqlens,
+                          activation=conv is not None and conv.activation is not None, backend=self.backend)
+        return out.view(B, T, self.num_kv_heads, self.head_dim)
+
     def _out(self, o):
         B, T = o.shape[:2]
         return self.o_proj(o.reshape(B, T, self.hidden_size))
@@ -221,9 +271,8 @@ class PaTHAttention(nn.Module):
 
     def _train(self, x, cu_seqlens):
         q, k, v, w, beta, g = self._project(x)
-        if self.use_w_shortconv:
-            w, _ = self.w_conv1d(w, cu_seqlens=cu_seqlens)
-        o, _ = parallel_path_attn(q, k, v, self._w_heads(w), beta, g, cu_seqlens=cu_seqlens, backend=self.backend)
+        w = self._prepare_w(w, cu_seqlens)
+        o, _ = parallel_path_attn(q, k, v, w, beta, g, cu_seqlens=cu_seqlens, backend=self.backend)
         return self._out(o)
 
     @torch.no_grad()
@@ -243,11 +292,10 @@ class PaTHAttention(nn.Module):
         else:
             x = hidden_states
         q, k, v, w, beta, g = self._project(x)
-        conv_state = None
-        if self.use_w_shortconv:
-            w, conv_state = self.w_conv1d(w, output_final_state=True, cu_seqlens=cu_seqlens)
-        o, cache = _decode.prefill(q, k, v, self._w_heads(w), beta, g, cu_seqlens=cu_seqlens, capacity=capacity,
-                                   backend=self.backend)
+        # The convolution's state for step(); w itself exactly as the training forward makes it.
+        conv_state = self.w_conv1d.final_state(w, cu_seqlens=cu_seqlens) if self.use_w_shortconv else None
+        o, cache = _decode.prefill(q, k, v, self._prepare_w(w, cu_seqlens), beta, g, cu_seqlens=cu_seqlens,
+                                   capacity=capacity, backend=self.backend)
         y = self._out(o)
         if idx is not None:
             y = self._pad(y, idx, B, T)

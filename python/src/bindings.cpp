@@ -259,6 +259,46 @@ void decode(const InArray& q, const InArray& k, const InArray& v, const OptIn& w
   run_released(path_attn_decode, p);
 }
 
+// The w preparation op (pathattn/w_conv_norm.h): out [B, T, D] from x, the optional convolution weight [D, W] and
+// bias [D], per-head L2 norm over head_dim channels.
+void wcn_fwd(const InArray& x, const OptIn& weight, const OptIn& bias, const OptIn& cu_seqlens, OutArray& out,
+             int64_t head_dim, bool activation, double eps, int backend, int num_threads, uintptr_t stream) {
+  WConvNormFwdParams p;
+  p.x = view_of("x", x);
+  p.weight = opt_view("weight", weight);
+  p.bias = opt_view("bias", bias);
+  p.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
+  p.out = view_of("out", out);
+  p.head_dim = head_dim;
+  p.activation = activation;
+  p.eps = eps;
+  p.backend = to_backend(backend);
+  p.num_threads = num_threads;
+  p.stream = to_stream(stream);
+  run_released(pathattn::w_conv_norm_fwd, p);
+}
+
+void wcn_bwd(const InArray& x, const OptIn& weight, const OptIn& bias, const OptIn& cu_seqlens,
+             const InArray& dout, OutArray& dx, OptOut& dweight, OptOut& dbias, int64_t head_dim,
+             bool activation, double eps, int backend, int num_threads, uintptr_t stream) {
+  WConvNormBwdParams p;
+  p.x = view_of("x", x);
+  p.weight = opt_view("weight", weight);
+  p.bias = opt_view("bias", bias);
+  p.cu_seqlens = opt_view("cu_seqlens", cu_seqlens);
+  p.dout = view_of("dout", dout);
+  p.dx = view_of("dx", dx);
+  p.dweight = opt_view("dweight", dweight);
+  p.dbias = opt_view("dbias", dbias);
+  p.head_dim = head_dim;
+  p.activation = activation;
+  p.eps = eps;
+  p.backend = to_backend(backend);
+  p.num_threads = num_threads;
+  p.stream = to_stream(stream);
+  run_released(pathattn::w_conv_norm_bwd, p);
+}
+
 // Describes how an array arrives on the C++ side (data address, dtype, device, shape, strides), so the
 // tests can check that nothing was copied on the way in.
 nb::dict describe(const InArray& a) {
@@ -310,6 +350,14 @@ NB_MODULE(_pathattn, m) {
         nb::arg("vc"), nb::arg("gc").none(), nb::arg("lengths"), nb::arg("scale"), nb::arg("gate_scale"),
         nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"),
         "One decode step for every cache slot (updates the cache in place).");
+  m.def("w_conv_norm_fwd", &wcn_fwd, nb::arg("x"), nb::arg("weight").none(), nb::arg("bias").none(),
+        nb::arg("cu_seqlens").none(), nb::arg("out"), nb::arg("head_dim"), nb::arg("activation"), nb::arg("eps"),
+        nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"),
+        "w preparation forward: short convolution, SiLU, per-head L2 norm into out [B,T,D].");
+  m.def("w_conv_norm_bwd", &wcn_bwd, nb::arg("x"), nb::arg("weight").none(), nb::arg("bias").none(),
+        nb::arg("cu_seqlens").none(), nb::arg("dout"), nb::arg("dx"), nb::arg("dweight").none(),
+        nb::arg("dbias").none(), nb::arg("head_dim"), nb::arg("activation"), nb::arg("eps"), nb::arg("backend"),
+        nb::arg("num_threads"), nb::arg("stream"), "w preparation backward: writes dx (and dweight, dbias when given).");
   m.def("set_workspace_limit", [](int64_t nbytes) { g_workspace_limit.store(nbytes); }, nb::arg("nbytes"),
         "Sets the workspace limit (bytes) of the CUDA backend's forward / backward calls that follow, process-wide: "
         "0 = the library's default, < 0 = none.");

@@ -360,3 +360,98 @@ def test_model_decode_on_cuda_equals_forward(dense):
     e = rl2(torch.cat(parts, 1), ref)
     print(f"[model decode cuda] dense={dense}: logits rel L2 {e:.2e}")
     assert e <= 1e-2
+
+
+# -- the w preparation op (pathattn.nn.w_conv_norm) on the device against the CPU backend ------------------------------
+
+def _wcn_case(D, W, bias, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (0.6 * torch.randn(D, 1, W, generator=gen)).to(dtype) if W else None
+    b = (0.3 * torch.randn(D, generator=gen)).to(dtype) if W and bias else None
+    return weight, b
+
+
+def _wcn_run(x, weight, bias, head_dim, cu, dout, activation=True):
+    xs = x.detach().clone().requires_grad_(True)
+    ps = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (weight, bias)]
+    out = pathattn.nn.w_conv_norm(xs, ps[0], ps[1], head_dim=head_dim, cu_seqlens=cu, activation=activation)
+    out.backward(dout)
+    return out.detach(), xs.grad, ps[0].grad if ps[0] is not None else None, ps[1].grad if ps[1] is not None else None
+
+
+WCN_GPU_CASES = [  # (B, T, D, head_dim, W, bias, cu_seqlens)
+    (2, 333, 2048, 128, 3, False, None),
+    (1, 700, 512, 64, 4, True, [0, 0, 1, 64, 65, 65, 400, 700]),
+    (1, 129, 256, 256, 2, True, [0, 100, 129]),
+    (3, 65, 96, 32, 3, False, None),
+    (1, 90, 48, 16, 4, True, [0, 30, 31, 90]),
+    (2, 77, 256, 64, 0, False, None),  # no convolution: the norm alone
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", WCN_GPU_CASES)
+def test_w_conv_norm_cuda_matches_cpu(case, dtype):
+    # Both compute in fp32 from the same inputs; they differ in fma contraction, exp / rsqrt and sum order (a few
+    # fp32 roundings). bf16 outputs: at most a rounding flip, 2^-8 relative; fp32: 1e-5. dweight / dbias are sums of
+    # T terms in different orders: rel L2 1e-4 (bf16 weight: also a rounding flip).
+    B, T, D, hd, W, bias, cu = case
+    torch.manual_seed(T)
+    x = torch.randn(B, T, D).to(dtype)
+    dout = torch.randn(B, T, D).to(dtype)
+    weight, b = _wcn_case(D, W, bias, dtype, seed=D)
+    cu_t = torch.tensor(cu) if cu is not None else None
+    ref = _wcn_run(x, weight, b, hd, cu_t, dout, activation=W > 0)
+    dev = [t.cuda() if t is not None else None for t in (x, weight, b)]
+    got = _wcn_run(dev[0], dev[1], dev[2], hd, cu_t.cuda() if cu_t is not None else None, dout.cuda(),
+                   activation=W > 0)
+    tol = dict(rtol=2 ** -7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0].cpu(), ref[0], **tol)
+    torch.testing.assert_close(got[1].cpu(), ref[1], **tol)
+    for g, r in zip(got[2:], ref[2:]):
+        if r is not None:
+            assert rl2(g, r) <= (4e-3 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_w_conv_norm_cuda_backward_is_deterministic():
+    torch.manual_seed(5)
+    x = torch.randn(1, 4097, 1024, device="cuda").to(torch.bfloat16)
+    dout = torch.randn_like(x)
+    weight, b = _wcn_case(1024, 4, True, torch.float32, seed=1)
+    cu = torch.tensor([0, 1000, 1000, 4097], device="cuda")
+    a = _wcn_run(x, weight.cuda(), b.cuda(), 128, cu, dout)
+    c = _wcn_run(x, weight.cuda(), b.cuda(), 128, cu, dout)
+    for u, v in zip(a, c):
+        assert torch.equal(u, v)
+
+
+def test_w_conv_norm_cuda_opcheck_and_compile():
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, 3, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.pathattn.w_conv_norm_fwd.default, (x, w, None, None, 128, True, 1e-6, 0))
+
+    def f(x, w):
+        return pathattn.nn.w_conv_norm(x, w, head_dim=128).float().square().sum()
+
+    ref = f(x, w)
+    out = torch.compile(f, fullgraph=True)(x, w)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_layer_on_cuda_with_op_close_to_unfused(monkeypatch):
+    from pathattn.nn import PaTHAttention
+    torch.manual_seed(6)
+    layer = PaTHAttention(hidden_size=1024, num_heads=8, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)[0]
+    y.float().square().sum().backward()
+    gx, gw = x.grad.clone(), layer.w_conv1d.weight.grad.clone()
+    x.grad = None
+    layer.zero_grad()
+    monkeypatch.setattr(PaTHAttention, "_fused_w", lambda self, w: False)
+    ref = layer(x)[0]
+    ref.float().square().sum().backward()
+    # The op hands the attention bf16 w (one rounding at its end), the unfused path fp32 w after a bf16 convolution
+    # output: both within bf16 rounding, as the attention op's own bf16 bars.
+    assert rl2(y, ref) <= 5e-3
+    assert rl2(gx, x.grad) <= 2e-2 and rl2(gw, layer.w_conv1d.weight.grad) <= 2e-2

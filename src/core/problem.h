@@ -49,6 +49,10 @@ Status check_cache(const DecodeCache& c, const Problem& pr, int64_t num_seqs, bo
 Status check_values(const Problem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& w, const TensorView& beta, const TensorView& g);
 
+// cu_seqlens (optional) against a batch of B rows of T tokens: the non-empty sequences into *seqs and the count,
+// empty ones included, into *num_seqs. The messages name cu_seqlens.
+Status check_seqs(const TensorView& cu, int64_t B, int64_t T, std::vector<Seq>* seqs, int64_t* num_seqs);
+
 // Helpers for error messages and shape checks, also used by the other entry points.
 std::string shape_str(const TensorView& x);
 Status tensor_check(const char* name, const TensorView& x, int ndim, const int64_t* shape,

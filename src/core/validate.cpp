@@ -125,6 +125,32 @@ Status dtype_check(const char* name, const TensorView& x, DType expected) {
   return Status::Ok();
 }
 
+Status check_seqs(const TensorView& cu, int64_t B, int64_t T, std::vector<Seq>* seqs, int64_t* num_seqs) {
+  seqs->clear();
+  if (cu.present()) {
+    if (cu.ndim != 1) return bad("cu_seqlens: expected 1 dimension [N + 1], got " + std::to_string(cu.ndim) + " " + shape_str(cu));
+    if (cu.dtype != DType::i32 && cu.dtype != DType::i64) return bad(std::string("cu_seqlens: expected dtype int32 or int64, got ") + dtype_name(cu.dtype));
+    if (cu.device != Device::cpu) return bad("cu_seqlens: must be in host memory");
+    if (cu.shape[0] < 2) return bad("cu_seqlens: expected at least 2 entries [0, ..., T], got " + shape_str(cu));
+    if (cu.data == nullptr) return bad("cu_seqlens: data pointer is null");
+    if (B != 1) return bad("cu_seqlens: requires batch size B == 1 (sequences packed along T), got B = " + std::to_string(B));
+    const int64_t n1 = cu.shape[0];
+    auto at = [&](int64_t i) { return load_elem<int64_t>(cu.data, cu.dtype, i * cu.stride[0]); };
+    if (at(0) != 0) return bad("cu_seqlens: the first entry must be 0, got " + std::to_string(at(0)));
+    for (int64_t i = 1; i < n1; ++i) {
+      int64_t a = at(i - 1), b = at(i);
+      if (b < a) return bad("cu_seqlens: must be non-decreasing, but entry " + std::to_string(i) + " = " + std::to_string(b) + " < entry " + std::to_string(i - 1) + " = " + std::to_string(a));
+      if (b - a > 0) seqs->push_back({0, a, b - a});
+    }
+    if (at(n1 - 1) != T) return bad("cu_seqlens: the last entry must equal T = " + std::to_string(T) + ", got " + std::to_string(at(n1 - 1)));
+    *num_seqs = n1 - 1;
+  } else {
+    *num_seqs = B;
+    if (T > 0) for (int64_t b = 0; b < B; ++b) seqs->push_back({b, 0, T});
+  }
+  return Status::Ok();
+}
+
 namespace {
 
 // Validating mode: the first non-finite element of x [B, T, heads, D] (rank 4) or [B, T, heads] (rank 3).
@@ -250,29 +276,7 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
   }
 
   // Sequences.
-  pr->seqs.clear();
-  if (cu.present()) {
-    if (cu.ndim != 1) return bad("cu_seqlens: expected 1 dimension [N + 1], got " + std::to_string(cu.ndim) + " " + shape_str(cu));
-    if (cu.dtype != DType::i32 && cu.dtype != DType::i64) return bad(std::string("cu_seqlens: expected dtype int32 or int64, got ") + dtype_name(cu.dtype));
-    if (cu.device != Device::cpu) return bad("cu_seqlens: must be in host memory");
-    if (cu.shape[0] < 2) return bad("cu_seqlens: expected at least 2 entries [0, ..., T], got " + shape_str(cu));
-    if (cu.data == nullptr) return bad("cu_seqlens: data pointer is null");
-    if (pr->B != 1) return bad("cu_seqlens: requires batch size B == 1 (sequences packed along T), got B = " + std::to_string(pr->B));
-    const int64_t n1 = cu.shape[0];
-    auto at = [&](int64_t i) { return load_elem<int64_t>(cu.data, cu.dtype, i * cu.stride[0]); };
-    if (at(0) != 0) return bad("cu_seqlens: the first entry must be 0, got " + std::to_string(at(0)));
-    for (int64_t i = 1; i < n1; ++i) {
-      int64_t a = at(i - 1), b = at(i);
-      if (b < a) return bad("cu_seqlens: must be non-decreasing, but entry " + std::to_string(i) + " = " + std::to_string(b) + " < entry " + std::to_string(i - 1) + " = " + std::to_string(a));
-      if (b - a > 0) pr->seqs.push_back({0, a, b - a});
-    }
-    if (at(n1 - 1) != pr->T) return bad("cu_seqlens: the last entry must equal T = " + std::to_string(pr->T) + ", got " + std::to_string(at(n1 - 1)));
-    pr->num_seqs = n1 - 1;
-  } else {
-    pr->num_seqs = pr->B;
-    if (pr->T > 0) for (int64_t b = 0; b < pr->B; ++b) pr->seqs.push_back({b, 0, pr->T});
-  }
-  return Status::Ok();
+  return check_seqs(cu, pr->B, pr->T, &pr->seqs, &pr->num_seqs);
 }
 
 Status check_output(const char* name, const TensorView& x, int ndim, const int64_t* shape, const char* doc,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/problem.h"
+#include "core/w_conv_norm.h"
 
 namespace pathattn::cpu {
 
@@ -21,6 +22,10 @@ Status fast_bwd(const PathBwdParams& p, const core::Problem& pr);
 // length before the step. The caller sets the lengths.
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs);
 Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
+
+// The w preparation op (w_conv_norm.cpp), in fp64 when pr.f64, else fp32.
+Status w_conv_norm_fwd(const WConvNormFwdParams& p, const core::WConvNormProblem& pr);
+Status w_conv_norm_bwd(const WConvNormBwdParams& p, const core::WConvNormProblem& pr);
 
 // Default chunk size of the fast path for a head dim (the value chunk_size = 0 selects).
 int default_chunk_size(int64_t K);

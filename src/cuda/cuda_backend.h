@@ -4,6 +4,7 @@
 #pragma once
 
 #include "core/problem.h"
+#include "core/w_conv_norm.h"
 
 namespace pathattn::cuda {
 
@@ -22,6 +23,11 @@ Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::v
 Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
 Status prefill_f32(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots);
 Status decode_f32(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
+
+// The w preparation op (kernels/w_conv_norm.cu): x, weight, bias in bf16, fp16 or fp32, head_dim in
+// {16, 32, 64, 128, 256}, W <= kWConvNormMaxWidthCuda; anything else is unsupported, naming the argument.
+Status w_conv_norm_fwd(const WConvNormFwdParams& p, const core::WConvNormProblem& pr);
+Status w_conv_norm_bwd(const WConvNormBwdParams& p, const core::WConvNormProblem& pr);
 
 // The head dims this build compiles, for messages and build_info(): "{64, 128}".
 const char* supported_head_dims();

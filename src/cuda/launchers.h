@@ -101,4 +101,13 @@ size_t smem_bwd_q(int K, int V);
 size_t smem_bwd_k(int K, int V);
 size_t smem_bwd_chunk(int K);
 
+// The w preparation op (kernels/w_conv_norm.cu); dtype: pathattn::DType of x (bf16, f16, f32), hd: head dim (16, 32,
+// 64, 128 or 256; other values return cudaErrorInvalidValue). One warp per (tile of w_conv_norm_tile() tokens,
+// channel group of max(32, hd) channels): p.ntiles and p.ngroups. The backward writes the tiles' weight / bias
+// sums into p.partial (when not null); the reduce kernel adds them in tile order into p.dweight / p.dbias.
+int w_conv_norm_tile();
+cudaError_t launch_w_conv_norm_fwd(const WConvNormKernelParams& p, int dtype, int hd, cudaStream_t s);
+cudaError_t launch_w_conv_norm_bwd(const WConvNormKernelParams& p, int dtype, int hd, cudaStream_t s);
+cudaError_t launch_w_conv_norm_reduce(const WConvNormKernelParams& p, cudaStream_t s);
+
 }  // namespace pathattn::cuda

@@ -143,4 +143,31 @@ struct KernelParams {
   __host__ __device__ bool dvk_merged() const { return dvk != nullptr && dvk == dvdiag; }
 };
 
+// The w preparation op's kernels (kernels/w_conv_norm.cu): raw pointers, strides in elements, one struct for its
+// three kernels. Tokens are flat indices f = b * T + t over the batch (B = 1 with cu_seqlens).
+struct WConvNormKernelParams {
+  const void* x = nullptr;     // [B, T, D] in the kernel's element type; out, dout, dx alike
+  void* out = nullptr;
+  const void* dout = nullptr;
+  void* dx = nullptr;
+  int64_t x_s[2] = {0, 0}, out_s[2] = {0, 0}, dout_s[2] = {0, 0}, dx_s[2] = {0, 0};  // batch and token strides
+  const void* weight = nullptr;  // [D, W] (row stride weight_s), dtype weight_dt (pathattn::DType), or null
+  const void* bias = nullptr;    // [D] (stride bias_s), dtype bias_dt, or null
+  int64_t weight_s = 0, bias_s = 0;
+  int weight_dt = 0, bias_dt = 0;
+  void* dweight = nullptr;       // outputs of the reduction (each optional), dtypes of weight / bias
+  void* dbias = nullptr;
+  int64_t dweight_s = 0, dbias_s = 0;
+  const int64_t* cu = nullptr;   // device copy of cu_seqlens [nseq + 1], or null: sequences are the batch rows
+  int nseq = 0;
+  int T = 0;                     // tokens per batch row
+  int ntok = 0;                  // B * T
+  int D = 0, W = 0;              // channels; taps (0: no convolution)
+  bool activation = false;
+  float eps = 0.f;
+  bool vec = false;              // every row of x, out, dout, dx is aligned for the lanes' vector accesses
+  int ngroups = 0, ntiles = 0;   // warps: ngroups channel groups x ntiles token tiles
+  float* partial = nullptr;      // backward: [ntiles, D, W + 1] per-tile sums of dweight (W) and dbias (1)
+};
+
 }  // namespace pathattn::cuda

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -1515,6 +1516,165 @@ TEST(CudaDecode, Soak32kSteps) {
   }
   EXPECT_EQ(cache.len(0), P + steps);
   EXPECT_LE(worst, 4e-3);  // the decode bar of check_decode, at every window
+}
+
+// -- the w preparation op (w_conv_norm.h): the cuda backend against the cpu backend on the same inputs ---------------
+
+struct WcnCase {
+  int64_t B, T, D, hd, W;
+  bool bias;
+  std::vector<int64_t> cu;  // non-empty: varlen (B = 1)
+};
+
+struct WcnOut {
+  HostTensor out, dx, dweight, dbias;
+};
+
+// Runs forward and backward of `c` on `be` (outputs poisoned first; device copies for cuda). x, dout in dt.
+WcnOut wcn_run(const WcnCase& c, const HostTensor& x, const HostTensor& weight, const HostTensor& bias,
+               const HostTensor& cu, const HostTensor& dout, Backend be) {
+  WcnOut r{HostTensor(x.dtype(), {c.B, c.T, c.D}), HostTensor(x.dtype(), {c.B, c.T, c.D}),
+           weight.present() ? HostTensor(weight.dtype(), {c.D, c.W}) : HostTensor(),
+           bias.present() ? HostTensor(bias.dtype(), {c.D}) : HostTensor()};
+  const bool dev = be == Backend::cuda;
+  DevTensor dx_, dw_, db_, do_, dx2_, dwt_, dbi_, dout_;
+  auto in = [&](const HostTensor& h, DevTensor& d) { if (!dev || !h.present()) return h.view(); d = DevTensor(h, true); return vw(d); };
+  auto outv = [&](HostTensor& h, DevTensor& d) {
+    if (!h.present()) return TensorView{};
+    h.poison();
+    if (!dev) return h.view();
+    d = DevTensor(h, false);
+    return vw(d);
+  };
+  WConvNormFwdParams f;
+  f.x = in(x, dx_), f.weight = in(weight, dwt_), f.bias = in(bias, dbi_), f.cu_seqlens = cu.view();
+  f.head_dim = c.hd, f.activation = c.W > 0, f.backend = be;
+  f.out = outv(r.out, do_);
+  const Status sf = w_conv_norm_fwd(f);
+  EXPECT_TRUE(sf.ok()) << sf.message();
+  WConvNormBwdParams b;
+  b.x = f.x, b.weight = f.weight, b.bias = f.bias, b.cu_seqlens = f.cu_seqlens, b.head_dim = f.head_dim;
+  b.activation = f.activation, b.backend = be;
+  b.dout = in(dout, dout_);
+  b.dx = outv(r.dx, dx2_);
+  b.dweight = outv(r.dweight, dw_);
+  b.dbias = outv(r.dbias, db_);
+  const Status sb = w_conv_norm_bwd(b);
+  EXPECT_TRUE(sb.ok()) << sb.message();
+  if (dev) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    do_.to_host(r.out);
+    dx2_.to_host(r.dx);
+    if (r.dweight.present()) dw_.to_host(r.dweight);
+    if (r.dbias.present()) db_.to_host(r.dbias);
+  }
+  return r;
+}
+
+// max |a - r| / (|r| + atol) over the elements: every element within rtol of the reference (no averaging).
+double wcn_worst(const std::vector<double>& a, const std::vector<double>& r, double atol) {
+  double w = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    w = std::max(w, std::fabs(a[i] - r[i]) / (std::fabs(r[i]) + atol));
+  }
+  return w;
+}
+
+// Both backends compute in fp32 from the same values; they differ by fma contraction, exp / rsqrt and the order of
+// sums (a few fp32 roundings, ~1e-6 relative). bf16 outputs: at most one flipped rounding (2^-8 relative); fp32
+// outputs: 1e-5. dweight / dbias sum every token of the batch in another order: rel L2 1e-4 (4e-3 in bf16).
+TEST(CudaWConvNorm, MatchesCpuBackend) {
+  REQUIRE_GPU();
+  const std::vector<WcnCase> cases = {
+      {2, 333, 2048, 128, 3, false, {}},
+      {1, 700, 512, 64, 4, true, {0, 0, 1, 64, 65, 65, 400, 700}},
+      {1, 129, 256, 256, 2, true, {0, 100, 129}},
+      {3, 65, 96, 32, 3, false, {}},
+      {1, 90, 48, 16, 4, true, {0, 30, 31, 90}},
+      {2, 77, 256, 64, 0, false, {}},
+      {1, 1, 128, 128, 3, true, {}},
+  };
+  uint64_t seed = 1;
+  for (const WcnCase& c : cases) {
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE("B " + std::to_string(c.B) + " T " + std::to_string(c.T) + " D " + std::to_string(c.D) + " hd " +
+                   std::to_string(c.hd) + " W " + std::to_string(c.W) + " " + dtype_name(dt));
+      std::mt19937_64 rng(seed++);
+      std::normal_distribution<double> n01(0, 1);
+      HostTensor x(dt, {c.B, c.T, c.D}), dout(dt, {c.B, c.T, c.D}), weight, bias, cu;
+      for (int64_t i = 0; i < x.numel(); ++i) x.set(i, n01(rng)), dout.set(i, n01(rng));
+      if (c.W) {
+        weight = HostTensor(dt, {c.D, c.W});
+        for (int64_t i = 0; i < weight.numel(); ++i) weight.set(i, 0.6 * n01(rng));
+        if (c.bias) {
+          bias = HostTensor(DType::f32, {c.D});
+          for (int64_t i = 0; i < c.D; ++i) bias.set(i, 0.3 * n01(rng));
+        }
+      }
+      if (!c.cu.empty()) {
+        cu = HostTensor(DType::i64, {int64_t(c.cu.size())});
+        for (size_t i = 0; i < c.cu.size(); ++i) static_cast<int64_t*>(cu.view().data)[i] = c.cu[i];
+      }
+      const WcnOut ref = wcn_run(c, x, weight, bias, cu, dout, Backend::cpu);
+      const WcnOut got = wcn_run(c, x, weight, bias, cu, dout, Backend::cuda);
+      const double tol = dt == DType::bf16 ? 1.0 / 128 : 1e-5;
+      const double e_out = wcn_worst(got.out.to_f64(), ref.out.to_f64(), 1e-3);
+      const double e_dx = wcn_worst(got.dx.to_f64(), ref.dx.to_f64(), 1e-3);
+      std::printf("[acc] w_conv_norm %s T %lld D %lld hd %lld W %lld: out %.2e dx %.2e", dtype_name(dt),
+                  (long long)c.T, (long long)c.D, (long long)c.hd, (long long)c.W, e_out, e_dx);
+      EXPECT_LE(e_out, tol);
+      EXPECT_LE(e_dx, tol);
+      const double gtol = dt == DType::bf16 ? 4e-3 : 1e-4;
+      if (c.W) {
+        const double e = rel_l2(got.dweight.to_f64(), ref.dweight.to_f64());
+        std::printf(" dweight %.2e", e);
+        EXPECT_LE(e, gtol);
+      }
+      if (c.bias) {
+        const double e = rel_l2(got.dbias.to_f64(), ref.dbias.to_f64());
+        std::printf(" dbias %.2e", e);
+        EXPECT_LE(e, 1e-4);  // fp32 bias
+      }
+      std::printf("\n");
+    }
+  }
+}
+
+// Outputs have one writer each and dweight / dbias are summed in tile order: two runs are bitwise equal.
+TEST(CudaWConvNorm, BackwardIsBitwiseRepeatable) {
+  REQUIRE_GPU();
+  const WcnCase c{1, 4097, 1024, 128, 4, true, {0, 1000, 1000, 4097}};
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> n01(0, 1);
+  HostTensor x(DType::bf16, {1, c.T, c.D}), dout(DType::bf16, {1, c.T, c.D}), weight(DType::f32, {c.D, c.W}),
+      bias(DType::f32, {c.D}), cu(DType::i64, {4});
+  for (int64_t i = 0; i < x.numel(); ++i) x.set(i, n01(rng)), dout.set(i, n01(rng));
+  for (int64_t i = 0; i < weight.numel(); ++i) weight.set(i, 0.6 * n01(rng));
+  for (int64_t i = 0; i < c.D; ++i) bias.set(i, 0.3 * n01(rng));
+  for (int i = 0; i < 4; ++i) static_cast<int64_t*>(cu.view().data)[i] = c.cu[size_t(i)];
+  const WcnOut a = wcn_run(c, x, weight, bias, cu, dout, Backend::cuda);
+  const WcnOut b = wcn_run(c, x, weight, bias, cu, dout, Backend::cuda);
+  EXPECT_EQ(a.out.to_f64(), b.out.to_f64());
+  EXPECT_EQ(a.dx.to_f64(), b.dx.to_f64());
+  EXPECT_EQ(a.dweight.to_f64(), b.dweight.to_f64());
+  EXPECT_EQ(a.dbias.to_f64(), b.dbias.to_f64());
+}
+
+// What the kernels do not take is `unsupported`, naming the argument.
+TEST(CudaWConvNorm, UnsupportedShapesNameTheArgument) {
+  REQUIRE_GPU();
+  HostTensor x(DType::bf16, {1, 8, 96}), w5(DType::f32, {96, 5});
+  DevTensor dx(x, true), dout(x, false), dw(w5, true);
+  WConvNormFwdParams f;
+  f.x = vw(dx), f.out = vw(dout), f.head_dim = 48, f.backend = Backend::cuda;
+  Status s = w_conv_norm_fwd(f);
+  EXPECT_EQ(int(s.code()), int(Status::Code::unsupported));
+  EXPECT_EQ(s.message().rfind("head_dim:", 0), 0u) << s.message();
+  f.head_dim = 32, f.weight = vw(dw);
+  s = w_conv_norm_fwd(f);
+  EXPECT_EQ(int(s.code()), int(Status::Code::unsupported));
+  EXPECT_EQ(s.message().rfind("weight:", 0), 0u) << s.message();
 }
 
 }  // namespace
