@@ -156,7 +156,8 @@ def _cu_tensor(cu_seqlens):
     if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
         return cu_seqlens
     if isinstance(cu_seqlens, (list, tuple)):
-        return torch.tensor(_api.int_list("cu_seqlens", cu_seqlens), dtype=torch.int64)
+        from ._api import int_list  # (at call time: _api imports this module)
+        return torch.tensor(int_list("cu_seqlens", cu_seqlens), dtype=torch.int64)
     raise TypeError(f"cu_seqlens: expected a torch.Tensor of int32 / int64, got {type(cu_seqlens).__name__}")
 
 

@@ -242,6 +242,15 @@ def test_mixed_numpy_and_torch_is_a_type_error(rng):
         run(dict(xt, w=xt["w"].to(torch.int32)), backend="oracle")
 
 
+def test_cu_seqlens_as_a_python_list(rng):
+    # Torch tensors with cu_seqlens given as a list of ints: the same as the int64 tensor.
+    x = make_inputs(rng, 1, 12, 2, 2, 8, 8)
+    xt = to_torch(x)
+    o_list, _ = run(dict(xt), cu_seqlens=[0, 5, 12])
+    o_tensor, _ = run(dict(xt), cu_seqlens=torch.tensor([0, 5, 12]))
+    torch.testing.assert_close(o_list, o_tensor, rtol=0, atol=0)
+
+
 def test_bf16_w_is_accepted_and_its_gradient_is_bf16(rng):
     # flash-linear-attention may pass w and beta in the model's dtype: same values, same results.
     x = make_inputs(rng, 1, 8, 2, 2, 8, 8, gate=True)
