@@ -83,6 +83,30 @@ __device__ __forceinline__ void store_far_state(const KernelParams& p, int64_t t
   });
 }
 
+// A non-finite v in the CTA's diagonal chunks (finite.cuh): zeroed in the staged tiles (stage 0 the top chunk,
+// stage 1 with two chunks a CTA the lower one, which is also the upper chunk's first key chunk). Returns the row of
+// warpgroup wg's chunk (its diagonal in stage st) from which its outputs are NaN (INT32_MAX: none). Every thread
+// of the CTA calls it after the tiles are visible; ends with them visible again.
+template <typename T, int V, int NP>
+__device__ __forceinline__ int diag_nonfinite_cut(T* Vs, int n_top, int n_low, int st, int wg) {
+  constexpr int LV = FwdSmem<T, V, V>::LV;
+  __shared__ int slot[2];
+  const int2 bad = block_first_nonfinite2(
+      zero_nonfinite_tile<V>(Vs, LV, n_top, threadIdx.x, blockDim.x),
+      NP == 2 ? zero_nonfinite_tile<V>(Vs + kChunk * LV, LV, n_low, threadIdx.x, blockDim.x) : INT32_MAX, slot);
+  return min(st == 0 ? bad.x : bad.y, NP == 2 && wg == 1 && bad.y != INT32_MAX ? 0 : INT32_MAX);
+}
+
+// This thread's rows rr of o from row `cut` on set to NaN.
+template <int N>
+__device__ __forceinline__ void nan_rows_from(float (&o)[N][4], const int (&rr)[2], int cut) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+    if (rr[hr] >= cut)
+#pragma unroll
+      for (int nt = 0; nt < N; ++nt) o[nt][2 * hr] = o[nt][2 * hr + 1] = nan_f32();
+}
+
 template <typename T, int K, int V, int NP, bool kPlain>
 __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     fwd_scan_kernel(KernelParams p, const int32_t* items) {
@@ -107,19 +131,16 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   const int rr[2] = {16 * (warp & 3) + g, 16 * (warp & 3) + g + 8};
   const float LOG2E = 1.4426950408889634f;
   const float sl2 = p.scale * LOG2E, gl2 = p.gate ? p.gate_scale * LOG2E : 0.f;
-  const T* vp = static_cast<const T*>(p.v);
-  const T* ktp = static_cast<const T*>(p.kt);
+  const T *vp = static_cast<const T*>(p.v), *ktp = static_cast<const T*>(p.kt), *ksp = static_cast<const T*>(p.ks);
   // With two warpgroups each loads half of every pair of tiles (the first warpgroup the first tile).
   const bool load_a = NP == 1 || wg == 0, load_b = NP == 1 || wg == 1;
 
   // Chunks [first, qc) are crossed one by one, those below `first` read as ks and crossed a superblock at a time
   // (PaTH only). The CTA's chunks share a superblock (p.sc is even).
-  const int sc = p.sc;
-  const int first = p.path ? (ch.c / sc) * sc : 0;
+  const int sc = p.sc, first = p.path ? (ch.c / sc) * sc : 0;
   // Split (p.ofar set): this kernel stops at the own superblock's start and fwd_far goes on from there.
   const bool split = p.ofar != nullptr && first > 0;
   const int stop = split ? first : 0;
-  const T* ksp = static_cast<const T*>(p.ks);
   // Key chunk kc into stage st: k~ (or ks) unless only its values are needed (a diagonal), v, the gate.
   auto load_chunk = [&](int kc, int st, int nvalid, bool keys) {
     const int64_t tok = seq_tok0 + int64_t(kc) * kChunk;
@@ -157,13 +178,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   if (NP == 2) load_chunk(ch.c, 1, n_low, true);
   cp_async_wait_all();
   __syncthreads();
-  // A non-finite v in a diagonal chunk (finite.cuh): zeroed in the staged tiles; the rows from it on are NaN.
-  // With two chunks a CTA the lower one's tile also serves the upper chunk's queries, all of which come after it.
-  __shared__ int slot[2];
-  const int2 bad = block_first_nonfinite2(
-      zero_nonfinite_tile<V>(Vs, LV, n_top, threadIdx.x, blockDim.x),
-      NP == 2 ? zero_nonfinite_tile<V>(Vs + kChunk * LV, LV, n_low, threadIdx.x, blockDim.x) : INT32_MAX, slot);
-  const int bad_top = bad.x, bad_low = bad.y;
+  const int cut = diag_nonfinite_cut<T, V, NP>(Vs, n_top, n_low, (top - qc) & 1, wg);  // rows of o from it on: NaN
   if (NP == 1 && qc > stop) load_chunk(qc - 1, 1, kChunk, true);
   {
     const int st = (top - qc) & 1;
@@ -173,12 +188,7 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
     diag_scores<LA>(s, As, Gks, rr, nq, t4, sl2, gl2, Gq);
     softmax_step(s, m, l, alpha);
     warp_mma_rs<T, 4, V / 8, true>(o, s, 1.f, Vst, LV, 0);
-    const int cut = min(st == 0 ? bad_top : bad_low, NP == 2 && wg == 1 && bad_low != INT32_MAX ? 0 : INT32_MAX);
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-      if (rr[hr] >= cut)
-#pragma unroll
-        for (int nt = 0; nt < V / 8; ++nt) o[nt][2 * hr] = o[nt][2 * hr + 1] = nan_f32();
+    nan_rows_from(o, rr, cut);
   }
   // Key chunks right to left; a warpgroup takes part in those below its own chunk.
   for (int kc = top - 1; kc >= stop; --kc) {
