@@ -49,6 +49,7 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/kernels/w_conv_norm.cu
   src/cuda/w_conv_norm.cu
   src/cuda/bwd_run.cu
+  src/cuda/pad.cu
   src/cuda/planner.cu
   src/cuda/param_dtypes.cu
 )

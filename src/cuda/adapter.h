@@ -32,6 +32,10 @@ Status alloc_super(Workspace& ws, KernelParams& kp, const Tables& t, const core:
 // unless ws is measuring, launches the kernels. bwd_run: msv_early, super_bwd's M_c written by super_prep's first
 // launch (else by a second one after bwd_k); host_out, output memory as workspace where OutputHost allows it.
 Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws);
+// Head dims 16 and 32 (pad.cu): the call at 64 on zero-padded copies, exact.
+bool needs_padding(const core::Problem& pr);
+Status fwd_padded(const PathFwdParams& p, const core::Problem& pr);
+Status bwd_padded(const PathBwdParams& p, const core::Problem& pr);
 Status bwd_run(const PathBwdParams& p, const core::Problem& pr, Workspace& ws, bool msv_early, bool host_out);
 
 // No byte that dq, dk, dv or dw may touch is one that another tensor of the call may touch.

@@ -153,10 +153,11 @@ Status fwd_run(const PathFwdParams& p, const core::Problem& pr, Workspace& ws) {
   return Status::Ok();
 }
 
-const char* supported_head_dims() { return "K, V in {64, 128}"; }
+const char* supported_head_dims() { return "K, V in {64, 128} (the forward and backward also 16 and 32, padded)"; }
 
 // Entry points with fp32 w, beta, g (and dw, dbeta, dg); param_dtypes.cu converts other dtypes.
 Status fwd(const PathFwdParams& p, const core::Problem& pr) {
+  if (needs_padding(pr)) return fwd_padded(p, pr);
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_smem(smem_chunk_prep(int(pr.K)), "chunk"));
@@ -166,6 +167,7 @@ Status fwd(const PathFwdParams& p, const core::Problem& pr) {
 }
 
 Status bwd(const PathBwdParams& p, const core::Problem& pr) {
+  if (needs_padding(pr)) return bwd_padded(p, pr);
   PA_TRY(check_support(pr, p.q.dtype));
   PA_TRY(check_row_copies(p.v, "v"));
   PA_TRY(check_row_copies(p.do_, "do"));
