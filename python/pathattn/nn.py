@@ -109,6 +109,12 @@ def l2_norm(x, eps=1e-6):
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
+# Whether the layer hands CUDA tensors to the fused w op. Off until its CUDA kernels (src/cuda/kernels/w_conv_norm.cu)
+# have passed the GPU tests (test_cuda CudaWConvNorm.*, python/tests/test_gpu.py -k w_conv_norm); the op itself,
+# w_conv_norm below, takes CUDA tensors either way.
+FUSED_W_ON_CUDA = False
+
+
 def w_conv_norm(x, weight=None, bias=None, *, head_dim, cu_seqlens=None, activation=True, eps=1e-6, backend=None):
     """The PaTH layer's w preparation as one op (include/pathattn/w_conv_norm.h), differentiable in x, weight, bias.
 
@@ -204,11 +210,11 @@ class PaTHAttention(nn.Module):
         return l2_norm(w.view(B, T, self.num_kv_heads, self.head_dim))
 
     def _fused_w(self, w):
-        """Whether the library's w_conv_norm op takes w: host tensors always, CUDA ones in a CUDA build for the head
-        dims and widths its kernels have (elsewhere the unfused modules run)."""
+        """Whether the library's w_conv_norm op takes w: host tensors always, CUDA ones (where FUSED_W_ON_CUDA) in a
+        CUDA build for the head dims and widths its kernels have (elsewhere the unfused modules run)."""
         if w.device.type == "cpu":
             return True
-        return (w.device.type == "cuda" and _torch_ops.CUDA_BUILT and w.dtype != torch.float64
+        return (FUSED_W_ON_CUDA and w.device.type == "cuda" and _torch_ops.CUDA_BUILT and w.dtype != torch.float64
                 and self.head_dim in _torch_ops.W_CONV_NORM_CUDA_HEAD_DIMS
                 and (not self.use_w_shortconv or self.w_conv1d.kernel_size[0] <= _torch_ops.W_CONV_NORM_CUDA_MAX_WIDTH))
 
