@@ -9,8 +9,6 @@
 namespace pathattn::cuda {
 namespace {
 
-constexpr int kPrepThreads = kTcThreads;
-
 // Per (full superblock, kv head, block of RB rows of M): walks the superblock's chunks from the last
 // down with the running product M = P_last ... P_{c+1}: ks_c = k~_c M^T, then M <- M P_c = M - (M W_c^T) W2_c
 // with the fp16 W, W2 of the chunk (the same operands the scans transport with, fp32 accumulation). Rows of M
