@@ -89,6 +89,12 @@ if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
     compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST" --gtest_filter='CudaBackend.Varlen:CudaBackend.PlainAttentionWithoutW' \
       > "$OUTDIR/memcheck.log" 2>&1; echo "memcheck rc=$?" | tee -a "$OUTDIR/memcheck.log"
     tail -3 "$OUTDIR/memcheck.log"
+    # The rare paths and the smaller ops: chunk_prep's repair launch (non-finite inputs), the padded head dims,
+    # the w preparation op.
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$TEST" \
+      --gtest_filter='CudaBackend.NonFiniteInputsStayConfined:CudaBackend.HeadDims16And32Padded:CudaWConvNorm.*' \
+      > "$OUTDIR/memcheck_rare.log" 2>&1; echo "memcheck (rare paths) rc=$?" | tee -a "$OUTDIR/memcheck_rare.log"
+    tail -3 "$OUTDIR/memcheck_rare.log"
     # racecheck on a case without far superblocks (T = 150): it takes the far kernels' bulk copies into shared
     # memory, which complete on mbarrier transaction counts it does not follow, for writes racing with the reads
     # that wait for them (docs/cuda.md, "Checks"); the 100-run race test covers those kernels.
@@ -98,7 +104,7 @@ if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
     # initcheck: no kernel reads device memory nothing wrote (outputs are poisoned, workspaces are not): the
     # scan and far forward paths, the backward, prefill and decode.
     compute-sanitizer --tool initcheck --error-exitcode 9 "$TEST" \
-      --gtest_filter='CudaBackend.Varlen:CudaBackend.PlainAttentionWithoutW:CudaBackend.ForwardFarPath:CudaDecode.PrefillVarlenWithEmptySequence' \
+      --gtest_filter='CudaBackend.Varlen:CudaBackend.PlainAttentionWithoutW:CudaBackend.ForwardFarPath:CudaDecode.PrefillVarlenWithEmptySequence:CudaWConvNorm.*' \
       > "$OUTDIR/initcheck.log" 2>&1; echo "initcheck rc=$?" | tee -a "$OUTDIR/initcheck.log"
     tail -3 "$OUTDIR/initcheck.log"
   fi
