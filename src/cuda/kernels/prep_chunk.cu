@@ -1,5 +1,6 @@
 // cuda/kernels/prep_chunk.cu: the per-chunk UT transform of the forward and the backward (tf32 tensor
 // cores; docs/algorithms.md) and the gate cumsum. Shapes follow params.h; C = kChunk = 64.
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/device/common.cuh"
@@ -332,21 +333,27 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_k
 // The items chunk_prep_kernel marked, again (finite.cuh): the staged rows from the first non-finite one (r0) on
 // zeroed, the item recomputed over its outputs, then the outputs r0 reaches made NaN, and r0 into p.bad for
 // bwd_chunk (kChunk where the mark was an overflow of the check's sums, not a non-finite input). Apart from the
-// kernel above so that its rare path costs that kernel no registers.
+// kernel above so that its rare path costs that kernel no registers; one wave of CTAs walks the items (most
+// calls have no marked item, and a launch of one CTA an item would cost several waves of early exits).
 template <typename T, int K>
 __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_repair_kernel(KernelParams p) {
   using S = PrepSmem<K>;
   extern __shared__ __align__(16) uint8_t prep_smem[];
-  if (p.bad == nullptr || p.bad[blockIdx.x] == kChunk) return;
+  if (p.bad == nullptr) return;
   const PrepSet<T, K> set0(prep_smem);
   __shared__ int bad;
-  stage_prep_set<T, K>(p, int(blockIdx.x), set0);
-  __syncthreads();
-  zero_nonfinite_rows<T, K>(p, int(blockIdx.x), set0.Ks, set0.Wf, set0.bs, &bad);
-  chunk_prep_item<T, K>(p, int(blockIdx.x), set0, prep_smem + S::set);
-  __syncthreads();
-  if (threadIdx.x == 0) p.bad[blockIdx.x] = bad;
-  if (bad < kChunk) store_nonfinite_rows<T, K>(p, int(blockIdx.x), bad);
+  for (int item = blockIdx.x; item < p.nchunks * p.H; item += gridDim.x) {
+    if (p.bad[item] == kChunk) continue;  // (uniform)
+    __syncthreads();  // the previous repaired item is done with shared memory
+    stage_prep_set<T, K>(p, item, set0);
+    __syncthreads();
+    zero_nonfinite_rows<T, K>(p, item, set0.Ks, set0.Wf, set0.bs, &bad);
+    chunk_prep_item<T, K>(p, item, set0, prep_smem + S::set);
+    __syncthreads();
+    const int r0 = bad;
+    if (threadIdx.x == 0) p.bad[item] = r0;
+    if (r0 < kChunk) store_nonfinite_rows<T, K>(p, item, r0);
+  }
 }
 
 
@@ -383,9 +390,12 @@ size_t smem_chunk_prep(int K) { return K == 64 ? PrepSmem<64>::bytes : PrepSmem<
 template <typename T, int K>
 static cudaError_t prep_t(const KernelParams& p, cudaStream_t s) {
   const dim3 grid = item_head_grid(p.nchunks, p.H);
-  const cudaError_t e = launch_with_smem(chunk_prep_kernel<T, K>, grid, kPrepThreads, smem_chunk_prep(K), s, p);
+  cudaError_t e = launch_with_smem(chunk_prep_kernel<T, K>, grid, kPrepThreads, smem_chunk_prep(K), s, p);
+  int sms = 0;
+  if (e == cudaSuccess) e = device_attr(cudaDevAttrMultiProcessorCount, &sms);
   if (e != cudaSuccess) return e;
-  return launch_with_smem(chunk_prep_repair_kernel<T, K>, grid, kPrepThreads, smem_chunk_prep(K), s, p);
+  const dim3 wave(unsigned(std::min<int64_t>(int64_t(p.nchunks) * p.H, 2 * int64_t(sms))));
+  return launch_with_smem(chunk_prep_repair_kernel<T, K>, wave, kPrepThreads, smem_chunk_prep(K), s, p);
 }
 
 PA_PROBE_TABLE(prep)
