@@ -26,14 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each configuration: the engine's config (a file or a preset) and its `--set` overrides. The PyTorch side
 # reads the same values (engine_model_config below), so the two sides cannot drift apart.
 #   lm: a language-model-like setup: byte-level text (the repository's own docs), width 512, 4 layers,
-#       8 heads of 64, T = 1024, 16 sequences a step.
+#       8 heads of 64, T = 1024, 16 sequences a step (w rank 32: the rank pathattn.models has).
 #   a5: the A5 word problem as the engine's GPU runs train it (results/a5.md, "GPU, length 10, 2 layers"):
 #       repro_a5_small (width 128, 2 heads) with 2 layers, words of length 10, 512 words a step, lr 2e-3.
 CONFIGS = {
     "lm": {
         "config": "configs/bytes_linux_small.json",
-        "sets": {"model.d_model": 512, "model.n_layer": 4, "model.n_head": 8, "task.seq_len": 1024,
-                 "train.batch_size": 16, "train.threads": 0},
+        "sets": {"model.d_model": 512, "model.n_layer": 4, "model.n_head": 8, "model.w_rank": 32,
+                 "task.seq_len": 1024, "train.batch_size": 16, "train.threads": 0},
         "tiny": {"model.d_model": 64, "model.n_layer": 1, "model.n_head": 2, "task.seq_len": 64,
                  "train.batch_size": 2},
     },
