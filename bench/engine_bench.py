@@ -61,8 +61,9 @@ def doc_files():
     return ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
-def config_sets(name, tiny, steps, device):
-    """The `--set` overrides of one configuration: its own, the tiny ones, and those of a timing run."""
+def config_sets(name, tiny, steps, device, extra):
+    """The `--set` overrides of one configuration: its own, the tiny ones, --engine-set's (extra), and those
+    of a timing run."""
     c = CONFIGS[name]
     sets = dict(c["sets"])
     if tiny:
@@ -72,6 +73,7 @@ def config_sets(name, tiny, steps, device):
         sets["task.eval_sequences"] = 4
     else:
         sets["task.eval_sequences"] = 64
+    sets.update(extra)
     sets.update({"train.steps": steps, "train.log_every": 1, "train.eval_every": 0, "train.checkpoint_every": 0,
                  "train.device": "cuda" if device.startswith("cuda") else "cpu"})
     return sets
@@ -222,7 +224,10 @@ def run_torch(cfg, warmup, steps, device, compile_model, amp):
             logits = model(input_ids=x).logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    fwd_bwd = torch.compile(loss_of) if compile_model else loss_of
+    # A fresh compile per configuration with static shapes: otherwise the second configuration's new shapes
+    # would recompile it with dynamic shapes, inside the timed steps.
+    torch._dynamo.reset()
+    fwd_bwd = torch.compile(loss_of, dynamic=False) if compile_model else loss_of
     data = batches(cfg, 8, device, seed=tc["seed"])
 
     def step(i):
@@ -255,6 +260,9 @@ def run_torch(cfg, warmup, steps, device, compile_model, amp):
         seconds = time.perf_counter() - start
     if not math.isfinite(loss.item()):
         raise RuntimeError("PyTorch loss is not finite")
+    del model, opt, params, data
+    if cuda:
+        torch.cuda.empty_cache()  # the next engine run gets the whole device
     return seconds
 
 
@@ -279,6 +287,9 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="PyTorch without torch.compile")
     ap.add_argument("--no-amp", action="store_true", help="PyTorch in fp32 (default: bf16 autocast)")
     ap.add_argument("--tiny", action="store_true", help="small models and batches (a smoke test)")
+    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra engine override for every configuration, e.g. train.tf32=true (repeatable; "
+                         "the PyTorch side reads the model and train keys too)")
     ap.add_argument("--commit", default=None, help="commit to report when git is not available")
     args = ap.parse_args()
 
@@ -288,6 +299,15 @@ def main():
             ap.error(f"--configs: unknown configuration {c!r} (have {', '.join(CONFIGS)})")
     if args.steps < 1:
         ap.error("--steps: must be >= 1")
+    extra = {}
+    for kv in args.engine_set:
+        key, eq, val = kv.partition("=")
+        if not eq or "." not in key:
+            ap.error(f"--engine-set: expected section.key=value, got {kv!r}")
+        try:
+            extra[key] = json.loads(val)
+        except json.JSONDecodeError:
+            extra[key] = val
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
     if warmup < 0:
         ap.error("--warmup: must be >= 0")
@@ -307,7 +327,7 @@ def main():
 
     rows, commands = [], []
     for name in names:
-        sets = config_sets(name, args.tiny, warmup + args.steps, args.device)
+        sets = config_sets(name, args.tiny, warmup + args.steps, args.device, extra)
         cfg = engine_model_config(name, sets)
         B, T = cfg["train"]["batch_size"], cfg["task"]["seq_len"]
         eng = tor = None
@@ -324,15 +344,18 @@ def main():
     def cell(sps, per_step):
         return "-" if sps is None else f"{sps * per_step:,.0f}"
 
+    engine_side = "CUDA device, fp32" if args.device.startswith("cuda") else "CPU, fp32"
+    if extra.get("train.tf32") is True:
+        engine_side += ", TF32 GEMMs"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     commit = git_commit() or args.commit or "unknown"
     torch_side = ("torch.compile" if not args.no_compile else "eager") + (", bf16 autocast" if not args.no_amp
                                                                           else ", fp32")
     lines = [f"# Training engine vs PyTorch ({'tiny configurations, ' if args.tiny else ''}{args.device})", "",
              f"- Date: {now}. Commit: {commit}. GPU: {gpu}. torch {torch.__version__}.",
-             f"- Engine: `pathattn train` ({'CUDA device, fp32' if args.device.startswith('cuda') else 'CPU'}); "
+             f"- Engine: `pathattn train` ({engine_side}); "
              f"PyTorch: pathattn.models.PaTHForCausalLM, {torch_side}, AdamW (engine's hyperparameters).",
-             f"- {warmup} warm-up steps, then {args.steps} timed steps a side. words/s: sequences (a5: words of "
+             f"- Warm-up steps: {warmup}; then {args.steps} timed steps a side. words/s: sequences (a5: words of "
              "the word problem) a second, as the engine's results count them.",
              "- Command: `python " + " ".join(shlex.quote(a) for a in ["bench/engine_bench.py"] + sys.argv[1:]) + "`"]
     lines += [f"- Engine command: `{c}`" for c in commands]
