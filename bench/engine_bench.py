@@ -290,7 +290,8 @@ def main():
     ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra engine override for every configuration, e.g. train.tf32=true (repeatable; "
                          "the PyTorch side reads the model and train keys too)")
-    ap.add_argument("--commit", default=None, help="commit to report when git is not available")
+    ap.add_argument("--commit", default=None, help="commit to report when git is not available "
+                                                           "(else $PATHATTN_COMMIT)")
     args = ap.parse_args()
 
     names = [c for c in args.configs.split(",") if c]
@@ -348,7 +349,7 @@ def main():
     if extra.get("train.tf32") is True:
         engine_side += ", TF32 GEMMs"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    commit = git_commit() or args.commit or "unknown"
+    commit = git_commit() or args.commit or os.environ.get("PATHATTN_COMMIT") or "unknown"
     torch_side = ("torch.compile" if not args.no_compile else "eager") + (", bf16 autocast" if not args.no_amp
                                                                           else ", fp32")
     lines = [f"# Training engine vs PyTorch ({'tiny configurations, ' if args.tiny else ''}{args.device})", "",
