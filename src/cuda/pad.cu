@@ -45,9 +45,11 @@ RowMap row_map(const TensorView& v, int64_t Dp) {
   return RowMap{v.shape[1], v.shape[2], v.stride[0], v.stride[1], v.stride[2], int(v.shape[3]), int(Dp)};
 }
 
-// A contiguous [shape0, shape1, shape2, Dp] buffer of v's dtype from the workspace, as a view.
+// A contiguous [shape0, shape1, shape2, Dp] buffer of v's dtype from the workspace, as a view (v itself where
+// its last dimension is Dp already).
 Status alloc_padded(const TensorView& v, int64_t Dp, Workspace& ws, TensorView* out) {
   *out = v;
+  if (v.shape[3] == Dp) return Status::Ok();
   out->shape[3] = Dp;
   out->stride[3] = 1;
   out->stride[2] = Dp;
@@ -66,9 +68,9 @@ Status alloc_padded(const TensorView& v, int64_t Dp, Workspace& ws, TensorView* 
   return Status::Ok();
 }
 
-// v's rows into a new zero-padded buffer (absent views stay absent).
+// v's rows into a new zero-padded buffer (absent views, and views of width Dp already, stay as they are).
 Status pad_copy(const TensorView& v, int64_t Dp, Workspace& ws, cudaStream_t s, TensorView* out) {
-  if (!v.present()) {
+  if (!v.present() || v.shape[3] == Dp) {
     *out = v;
     return Status::Ok();
   }
@@ -86,9 +88,9 @@ Status pad_copy(const TensorView& v, int64_t Dp, Workspace& ws, cudaStream_t s, 
   return Status::Ok();
 }
 
-// The first D columns of a padded buffer into the caller's view dst (absent views are skipped).
+// The first D columns of a padded buffer into the caller's view dst (absent views, and dst itself, are skipped).
 Status unpad_copy(const TensorView& padded, const TensorView& dst, cudaStream_t s) {
-  if (!dst.present()) return Status::Ok();
+  if (!dst.present() || padded.data == dst.data) return Status::Ok();
   const int64_t total = dst.shape[0] * dst.shape[1] * dst.shape[2] * dst.shape[3];
   if (total == 0) return Status::Ok();
   const unsigned blocks = unsigned((total + kPadThreads - 1) / kPadThreads);
