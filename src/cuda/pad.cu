@@ -116,6 +116,15 @@ core::Problem padded_problem(const core::Problem& pr) {
   return pp;
 }
 
+// The inputs both directions share: q, k, w to pp.K, v to pp.V (P: PathFwdParams or PathBwdParams).
+template <class P>
+Status pad_inputs(const P& p, const core::Problem& pp, Workspace& ws, cudaStream_t s, P* q) {
+  PA_TRY(pad_copy(p.q, pp.K, ws, s, &q->q));
+  PA_TRY(pad_copy(p.k, pp.K, ws, s, &q->k));
+  PA_TRY(pad_copy(p.w, pp.K, ws, s, &q->w));
+  return pad_copy(p.v, pp.V, ws, s, &q->v);
+}
+
 }  // namespace
 
 bool needs_padding(const core::Problem& pr) { return padded_dim(pr.K) || padded_dim(pr.V); }
@@ -125,10 +134,7 @@ Status fwd_padded(const PathFwdParams& p, const core::Problem& pr) {
   const core::Problem pp = padded_problem(pr);
   Workspace ws(s);
   PathFwdParams q = p;
-  PA_TRY(pad_copy(p.q, pp.K, ws, s, &q.q));
-  PA_TRY(pad_copy(p.k, pp.K, ws, s, &q.k));
-  PA_TRY(pad_copy(p.w, pp.K, ws, s, &q.w));
-  PA_TRY(pad_copy(p.v, pp.V, ws, s, &q.v));
+  PA_TRY(pad_inputs(p, pp, ws, s, &q));
   PA_TRY(alloc_padded(p.o, pp.V, ws, &q.o));
   PA_TRY(fwd(q, pp));
   return unpad_copy(q.o, p.o, s);
@@ -139,10 +145,7 @@ Status bwd_padded(const PathBwdParams& p, const core::Problem& pr) {
   const core::Problem pp = padded_problem(pr);
   Workspace ws(s);
   PathBwdParams q = p;
-  PA_TRY(pad_copy(p.q, pp.K, ws, s, &q.q));
-  PA_TRY(pad_copy(p.k, pp.K, ws, s, &q.k));
-  PA_TRY(pad_copy(p.w, pp.K, ws, s, &q.w));
-  PA_TRY(pad_copy(p.v, pp.V, ws, s, &q.v));
+  PA_TRY(pad_inputs(p, pp, ws, s, &q));
   PA_TRY(pad_copy(p.o, pp.V, ws, s, &q.o));
   PA_TRY(pad_copy(p.do_, pp.V, ws, s, &q.do_));
   PA_TRY(alloc_padded(p.dq, pp.K, ws, &q.dq));
