@@ -408,9 +408,10 @@ WCN_GPU_CASES = [  # (B, T, D, head_dim, W, bias, cu_seqlens)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", WCN_GPU_CASES)
 def test_w_conv_norm_cuda_matches_cpu(case, dtype):
-    # Both compute in fp32 from the same inputs; they differ in fma contraction, exp / rsqrt and sum order (a few
-    # fp32 roundings). bf16 outputs: at most a rounding flip, 2^-8 relative; fp32: 1e-5. dweight / dbias are sums of
-    # T terms in different orders: rel L2 1e-4 (bf16 weight: also a rounding flip).
+    # Both compute in fp32 from the same inputs; they differ in fma contraction, rsqrt and sum order (a few fp32
+    # roundings). bf16 outputs: at most a rounding flip, 2^-8 relative; fp32: 1e-5 of the tensor's scale (an output
+    # near zero is a difference of unit-size terms). dweight / dbias are sums of T terms in different orders: rel L2
+    # 1e-4 (bf16 weight: also a rounding flip).
     B, T, D, hd, W, bias, cu = case
     torch.manual_seed(T)
     x = torch.randn(B, T, D).to(dtype)
@@ -421,9 +422,10 @@ def test_w_conv_norm_cuda_matches_cpu(case, dtype):
     dev = [t.cuda() if t is not None else None for t in (x, weight, b)]
     got = _wcn_run(dev[0], dev[1], dev[2], hd, cu_t.cuda() if cu_t is not None else None, dout.cuda(),
                    activation=W > 0)
-    tol = dict(rtol=2 ** -7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got[0].cpu(), ref[0], **tol)
-    torch.testing.assert_close(got[1].cpu(), ref[1], **tol)
+    for g, r in zip(got[:2], ref[:2]):
+        scale = r.abs().max().item() if r.numel() else 0.0
+        tol = dict(rtol=2 ** -7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5 * scale)
+        torch.testing.assert_close(g.cpu(), r, **tol)
     for g, r in zip(got[2:], ref[2:]):
         if r is not None:
             assert rl2(g, r) <= (4e-3 if dtype == torch.bfloat16 else 1e-4)
