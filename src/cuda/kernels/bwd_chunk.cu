@@ -169,6 +169,7 @@ struct BwdChunk {
       if constexpr (kStageDQ) stage_tile_async<K>(dq_src, 0, h * p.group, dQs, LW, tok0, nq, true);
     }
     cp_async_commit();
+    r0 = p.bad[ci * p.H + h];  // issued here, used after the first wait
     if (tid < kChunk) {
       bs[tid] = tid < nq && p.path
                     ? load_param(p.beta, p.beta_dt, ch.b * p.beta_s[0] + (pos0 + tid) * p.beta_s[1] + h * p.beta_s[2])
@@ -177,7 +178,6 @@ struct BwdChunk {
     }
     cp_async_wait_group<4>();  // G0
     __syncthreads();
-    r0 = p.bad[ci * p.H + h];
     if (r0 < nq) zero_nonfinite_rows();
     PA_PROBE(1);
     compute_z();

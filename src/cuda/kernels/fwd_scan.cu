@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(kFwdThreads * NP, K == 64 && V == 64 ? 3 : 1)
   if (NP == 2) load_chunk(ch.c, 1, n_low, true);
   cp_async_wait_all();
   __syncthreads();
+  if (NP == 1 && qc > stop) load_chunk(qc - 1, 1, kChunk, true);  // stage 1: the scan below reads stage 0 only
   const int cut = diag_nonfinite_cut<T, V, NP>(Vs, n_top, n_low, (top - qc) & 1, wg);  // rows of o from it on: NaN
-  if (NP == 1 && qc > stop) load_chunk(qc - 1, 1, kChunk, true);
   {
     const int st = (top - qc) & 1;
     const T* Vst = Vs + st * kChunk * LV;

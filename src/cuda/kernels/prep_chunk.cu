@@ -340,9 +340,15 @@ __global__ void __launch_bounds__(kPrepThreads, prep_min_blocks(K)) chunk_prep_r
   using S = PrepSmem<K>;
   extern __shared__ __align__(16) uint8_t prep_smem[];
   if (p.bad == nullptr) return;
+  // The CTA's items (blockIdx.x + i gridDim.x) checked one per thread first: one load's latency for the common
+  // call with none marked.
+  const int n = p.nchunks * p.H;
+  bool any = false;
+  for (int i = blockIdx.x + threadIdx.x * gridDim.x; i < n; i += gridDim.x * blockDim.x) any |= p.bad[i] != kChunk;
+  if (!__syncthreads_or(any)) return;
   const PrepSet<T, K> set0(prep_smem);
   __shared__ int bad;
-  for (int item = blockIdx.x; item < p.nchunks * p.H; item += gridDim.x) {
+  for (int item = blockIdx.x; item < n; item += gridDim.x) {
     if (p.bad[item] == kChunk) continue;  // (uniform)
     __syncthreads();  // the previous repaired item is done with shared memory
     stage_prep_set<T, K>(p, item, set0);
