@@ -104,14 +104,14 @@ def main():
     ap.add_argument("--no-parts", action="store_true", help="time the whole layers only")
     ap.add_argument("--no-fla", action="store_true",
                     help="leave out fla's layer (its Triton kernels compile and autotune for minutes on first use)")
-    ap.add_argument("--fused-w", action="store_true",
-                    help="the layer's CUDA path with the fused w op (sets pathattn.nn.FUSED_W_ON_CUDA)")
+    ap.add_argument("--unfused-w", action="store_true",
+                    help="the layer's w preparation by the unfused modules (clears pathattn.nn.FUSED_W_ON_CUDA)")
     args = ap.parse_args()
     import pathattn
     import pathattn.nn
     from pathattn.nn import PaTHAttention
-    if args.fused_w:
-        pathattn.nn.FUSED_W_ON_CUDA = True
+    if args.unfused_w:
+        pathattn.nn.FUSED_W_ON_CUDA = False
     if not pathattn.backend_available("cuda"):
         sys.exit("error: pathattn was built without the CUDA backend (or no GPU is visible)")
     FlaPaTH = None

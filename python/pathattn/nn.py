@@ -109,10 +109,9 @@ def l2_norm(x, eps=1e-6):
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
-# Whether the layer hands CUDA tensors to the fused w op. Off until its CUDA kernels (src/cuda/kernels/w_conv_norm.cu)
-# have passed the GPU tests (test_cuda CudaWConvNorm.*, python/tests/test_gpu.py -k w_conv_norm); the op itself,
-# w_conv_norm below, takes CUDA tensors either way.
-FUSED_W_ON_CUDA = False
+# Whether the layer hands CUDA tensors to the fused w op (w_conv_norm below) rather than to the unfused modules
+# (ShortConvolution, l2_norm). On: it is the faster path (docs/design.md); off only to time or compare the two.
+FUSED_W_ON_CUDA = True
 
 
 def w_conv_norm(x, weight=None, bias=None, *, head_dim, cu_seqlens=None, activation=True, eps=1e-6, backend=None):

@@ -459,7 +459,7 @@ def test_w_conv_norm_cuda_opcheck_and_compile():
 def test_layer_on_cuda_with_op_close_to_unfused(monkeypatch):
     import pathattn.nn as pnn
     from pathattn.nn import PaTHAttention
-    monkeypatch.setattr(pnn, "FUSED_W_ON_CUDA", True)
+    monkeypatch.setattr(pnn, "FUSED_W_ON_CUDA", True)  # the default; the comparison below turns it off
     torch.manual_seed(6)
     layer = PaTHAttention(hidden_size=1024, num_heads=8, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
