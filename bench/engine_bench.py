@@ -7,6 +7,7 @@ table (tokens/s, words/s, engine / PyTorch) and writes it to --out. Benchmarks n
     python bench/engine_bench.py --device cpu --tiny --steps 2 --pathattn build/apps/pathattn   # smoke test
 """
 import argparse
+import csv
 import datetime
 import glob
 import json
@@ -130,6 +131,68 @@ def run_engine(binary, name, sets, warmup, steps, device):
     shown = [os.path.relpath(binary, ROOT) if os.path.isabs(binary) else binary] + cmd[1:]
     shown[shown.index("--out") + 1] = "DIR"
     return seconds, " ".join(shlex.quote(a) for a in shown)
+
+
+def engine_kernels(binary, name, sets, device, skip, count):
+    """The engine's GPU time by kernel over a window of `count` launches after the first `skip` (Nsight Compute,
+    `ncu`, one row per launch): [(kernel, launches, microseconds)] largest first, and the optimizer steps in the
+    window (the gradient norm's final kernel runs once a step)."""
+    env = dict(os.environ)
+    if device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = ["ncu", "--csv", "--metrics", "gpu__time_duration.sum", "--launch-skip", str(skip), "--launch-count",
+               str(count)] + engine_command(binary, name, sets, os.path.join(tmp, "run"))
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ncu failed ({r.returncode}): {' '.join(cmd)}\n{(r.stderr or r.stdout)[-2000:]}")
+    return ncu_kernel_times(r.stdout)
+
+
+def kernel_short_name(name):
+    """A demangled kernel name without its return type, parameter list and anonymous namespaces."""
+    name = name.strip()
+    if name.endswith(")"):
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    name = name.replace("(anonymous namespace)::", "")
+    return name[5:] if name.startswith("void ") else name
+
+
+def ncu_kernel_times(text):
+    """`ncu --csv --metrics gpu__time_duration.sum` output (one row per launch) by kernel: [(kernel, launches,
+    microseconds)] largest first, and the launches of the engine's once-a-step kernel (sumsq_final)."""
+    rows = list(csv.DictReader(x for x in text.splitlines() if x.startswith('"')))
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+    total, launches = {}, {}
+    for row in rows:
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        k = kernel_short_name(row["Kernel Name"])
+        us = float(row["Metric Value"].replace(",", "")) * scale.get(row.get("Metric Unit", "ns"), 1e-3)
+        total[k] = total.get(k, 0.0) + us
+        launches[k] = launches.get(k, 0) + 1
+    steps = sum(n for k, n in launches.items() if "sumsq_final" in k)
+    return sorted(((k, launches[k], t) for k, t in total.items()), key=lambda x: -x[2]), steps
+
+
+def kernel_table(name, kernels, steps, step_seconds, top=25):
+    """Markdown lines: the window's kernels by time, per optimizer step, beside the step's wall time."""
+    tot = sum(t for _, _, t in kernels)
+    per = max(steps, 1)
+    out = [f"### {name}: GPU time by kernel, per step ({steps} steps in the window; "
+           f"kernels {tot / per:,.0f} us a step against {step_seconds * 1e6:,.0f} us of wall time a step)", "",
+           "| kernel | launches a step | us a step | share |", "|---|---|---|---|"]
+    for k, n, t in kernels[:top]:
+        out.append(f"| `{k[:80]}` | {n / per:.1f} | {t / per:,.1f} | {t / tot:.1%} |")
+    if len(kernels) > top:
+        rest = sum(t for _, _, t in kernels[top:])
+        out.append(f"| ({len(kernels) - top} more) | | {rest / per:,.1f} | {rest / tot:.1%} |")
+    return out
 
 
 def hf_config(cfg):
@@ -290,6 +353,10 @@ def main():
     ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra engine override for every configuration, e.g. train.tf32=true (repeatable; "
                          "the PyTorch side reads the model and train keys too)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the engine's GPU time by kernel under Nsight Compute (ncu), a window of launches "
+                         "after the warm-up steps (engine side only)")
+    ap.add_argument("--kernel-window", type=int, default=2000, help="launches in the --kernels window")
     ap.add_argument("--commit", default=None, help="commit to report when git is not available "
                                                            "(else $PATHATTN_COMMIT)")
     args = ap.parse_args()
@@ -300,6 +367,8 @@ def main():
             ap.error(f"--configs: unknown configuration {c!r} (have {', '.join(CONFIGS)})")
     if args.steps < 1:
         ap.error("--steps: must be >= 1")
+    if args.kernel_window < 1:
+        ap.error("--kernel-window: must be >= 1")
     extra = {}
     for kv in args.engine_set:
         key, eq, val = kv.partition("=")
@@ -326,7 +395,7 @@ def main():
     else:
         gpu = "none (CPU)"
 
-    rows, commands = [], []
+    rows, commands, ktables = [], [], []
     for name in names:
         sets = config_sets(name, args.tiny, warmup + args.steps, args.device, extra)
         cfg = engine_model_config(name, sets)
@@ -336,6 +405,13 @@ def main():
             sec, cmd = run_engine(binary, name, sets, warmup, args.steps, args.device)
             eng = args.steps / sec
             commands.append(cmd)
+            if args.kernels:
+                # The window starts after the warm-up's launches, counted from one step's (measured here).
+                _, one = engine_kernels(binary, name, config_sets(name, args.tiny, 2, args.device, extra),
+                                        args.device, 0, 100000)
+                per_step = max(1, int(sum(n for _, n, _ in one) / 2))
+                ks, nsteps = engine_kernels(binary, name, sets, args.device, warmup * per_step, args.kernel_window)
+                ktables += kernel_table(name, ks, nsteps, sec / args.steps) + [""]
         if not args.no_torch:
             tor = args.steps / run_torch(cfg, warmup, args.steps, device, not args.no_compile, not args.no_amp)
         m = cfg["model"]
@@ -366,6 +442,9 @@ def main():
         ratio = f"{eng / tor:.2f}x" if eng and tor else "-"
         lines.append(f"| {name} | {arch} | {T} | {B} | {cell(eng, B * T)} | {cell(tor, B * T)} | {cell(eng, B)} | "
                      f"{cell(tor, B)} | {ratio} |")
+    if ktables:
+        lines += ["", "## The engine's kernels (`--kernels`: Nsight Compute, gpu__time_duration of each launch)", ""]
+        lines += ktables
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
