@@ -15,14 +15,14 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_bench import git_commit, write_report  # noqa: E402
 
 
 def parse_shapes(text):
@@ -118,14 +118,6 @@ def bench_shape(cases, timer, rounds, steps):
     return out
 
 
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="1x4096,1x32768,1x131072,16x32768,64x8192",
@@ -207,12 +199,7 @@ def main():
     lines += ["", "pathattn / SDPA divides by the faster of the baseline's two timings. GB/s: the bytes a step must "
               "move (pathattn: cached keys read and written, values read; SDPA: keys and values read) over its "
               "time."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

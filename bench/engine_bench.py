@@ -329,6 +329,16 @@ def run_torch(cfg, warmup, steps, device, compile_model, amp):
     return seconds
 
 
+def write_report(lines, out):
+    """Prints the markdown lines and writes them to `out` (nothing written where out is '')."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def git_commit():
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -445,12 +455,7 @@ def main():
     if ktables:
         lines += ["", "## The engine's kernels (`--kernels`: Nsight Compute, gpu__time_duration of each launch)", ""]
         lines += ktables
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
