@@ -15,7 +15,11 @@
 # machine with the GPU machine's Python version (`pip wheel . -Ccmake.define.PATHATTN_CUDA=ON
 # "-Ccmake.define.PATHATTN_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a"`) and put in .whl/ saves that build;
 # remove it once the tree changes (a wheel found there is used as it is).
-# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--no-python] [--probe] [--playgrounds] [--sm80 DIR] [--python-only] [--out DIR]
+# Usage: scripts/gpu_suite.sh [--build DIR] [--quick | --extra-only] [--profile] [--Ts 1024,4096] [--no-bench] [--no-tests] [--no-python] [--probe] [--playgrounds] [--sm80 DIR] [--python-only] [--layers] [--out DIR]
+#   --layers: after the Python tests, with the same wheel: the whole-layer benchmark (bench/layer_bench.py), the
+#   decode benchmark (bench/decode_bench.py) and, where DIR has the `pathattn` program (a CUDA build with the
+#   apps), the engine against PyTorch with the engine's kernels under ncu (bench/engine_bench.py --kernels); their
+#   tables go to the output folder.
 #   --sm80 DIR: also the Ampere code path on this GPU: test_cuda of a build with compute_80 PTX only
 #   (-DPATHATTN_CUDA_GENCODE="-gencode=arch=compute_80,code=compute_80", prebuilt in DIR or built there), which
 #   the driver compiles for the device at load, with the code that __CUDA_ARCH__ = 800 selects (no far kernels).
@@ -37,7 +41,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-cuda QUICK="" TABLE=results/bench/gpu_h200.md BENCH=1 TESTS=1 PROBE=0 PLAY=0 OUTDIR=${OUT:-gpu_out} TS=1024,2048,4096,8192,16384
-SM80="" PYONLY=0 PY=1
+SM80="" PYONLY=0 PY=1 LAYERS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
@@ -52,6 +56,7 @@ while [ $# -gt 0 ]; do
     --sm80) SM80=$2; shift ;;
     --python-only) PYONLY=1; BENCH=0 ;;
     --no-python) PY=0 ;;
+    --layers) LAYERS=1 ;;
     --out) OUTDIR=$2; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -205,5 +210,21 @@ if [ "$TESTS" = 1 ] && [ "$PY" = 1 ] && [ -n "$WHEEL" ]; then
   (cd python/tests && PYTHONPATH=/tmp/pathattn_py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
     python3 -m pytest -q -s -p no:cacheprovider test_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | grep -E "^\[fla|^\[model|passed|failed|^E ")
   grep -qE "[0-9]+ passed" "$OUTDIR/pytest_gpu.log" && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUTDIR/pytest_gpu.log" || status=1
+fi
+if [ "$LAYERS" = 1 ] && { [ "$TESTS" = 0 ] || [ "$PY" = 0 ] || [ -z "$WHEEL" ]; }; then
+  echo "--layers: needs the Python tests' wheel (not with --no-tests or --no-python)"; status=1
+elif [ "$LAYERS" = 1 ]; then
+  echo "== layer, decode and engine benchmarks ($(basename "$WHEEL"))"
+  export PYTHONPATH=/tmp/pathattn_py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  export PATHATTN_COMMIT=${PATHATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
+  python3 bench/layer_bench.py --out "$OUTDIR/layer.md" 2>&1 | tail -30 || status=1
+  python3 bench/decode_bench.py --out "$OUTDIR/decode.md" --commit "$PATHATTN_COMMIT" 2>&1 | tail -20 || status=1
+  CLI=$BUILD/apps/pathattn
+  if [ -x "$CLI" ]; then
+    python3 bench/engine_bench.py --pathattn "$CLI" --kernels --out "$OUTDIR/engine.md" --commit "$PATHATTN_COMMIT" \
+      2>&1 | tail -60 || status=1
+  else
+    echo "engine benchmark: $CLI not built (a CUDA build with the apps)"
+  fi
 fi
 exit $status
