@@ -100,6 +100,11 @@ if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
       --gtest_filter='CudaBackend.NonFiniteInputsStayConfined:CudaBackend.HeadDims16And32Padded:CudaWConvNorm.*' \
       > "$OUTDIR/memcheck_rare.log" 2>&1; echo "memcheck (rare paths) rc=$?" | tee -a "$OUTDIR/memcheck_rare.log"
     tail -3 "$OUTDIR/memcheck_rare.log"
+    # The out-of-memory path: its failed allocations are the test, so API errors are not counted.
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 "$TEST" \
+      --gtest_filter='CudaBackend.OutOfMemoryFailsCleanly' > "$OUTDIR/memcheck_oom.log" 2>&1
+    echo "memcheck (out of memory) rc=$?" | tee -a "$OUTDIR/memcheck_oom.log"
+    tail -3 "$OUTDIR/memcheck_oom.log"
     # racecheck on a case without far superblocks (T = 150): it takes the far kernels' bulk copies into shared
     # memory, which complete on mbarrier transaction counts it does not follow, for writes racing with the reads
     # that wait for them (docs/cuda.md, "Checks"); the 100-run race test covers those kernels.
