@@ -63,6 +63,16 @@ std::vector<ParamInfo> param_layout(const ModelConfig& m) {
   return L;
 }
 
+double train_flops_per_token(const ModelConfig& m, int64_t T) {
+  double weights = 0;
+  for (const ParamInfo& p : param_layout(m)) {
+    const bool matrix = p.shape.size() == 2 && p.name.find("wconv") == std::string::npos;  // the conv is per channel
+    const bool lookup_only = p.name == "wte" && !m.tie_embeddings;                        // then lm_head is the head
+    if (matrix && !lookup_only) weights += double(p.numel);
+  }
+  return 6.0 * weights + 6.0 * double(m.n_layer) * double(m.n_head) * double(m.K()) * double(T);
+}
+
 ParamOffsets param_offsets(const ModelConfig& m, const std::vector<ParamInfo>& layout) {
   auto off = [&](const std::string& n) -> int64_t {
     for (const auto& p : layout)

@@ -37,6 +37,12 @@ struct ParamOffsets {
 };
 ParamOffsets param_offsets(const ModelConfig& m, const std::vector<ParamInfo>& layout);
 
+// Model FLOPs of one trained token (forward and backward) at context T, as MFU counts them: 6 per weight of every
+// matrix product (projections, MLP, the output head; a tied embedding once, as the head) and 6 K T per query head
+// and layer for the causal attention's two products. PaTH's transport work is not counted, so MFU compares
+// with a plain-attention model of the same shape.
+double train_flops_per_token(const ModelConfig& m, int64_t T);
+
 // Statistics of one forward pass over the rows that carry a target.
 struct StepStats {
   double loss = 0;            // mean cross-entropy over counted rows (0 when none)

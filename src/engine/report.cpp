@@ -74,6 +74,18 @@ void Progress::draw(int64_t done, const std::string& extra, bool final) {
   std::fflush(stderr);
 }
 
+double bf16_peak_flops(const std::string& device_name) {
+  // First match wins: the more specific names first ("H100 PCIe" before "H100"; "GH200" holds "H200").
+  static const struct {
+    const char* name;
+    double flops;
+  } kPeaks[] = {{"H200", 989.4e12}, {"H100 NVL", 835.0e12}, {"H100 PCIe", 756.0e12}, {"H100", 989.4e12},
+                {"A100", 312.0e12}};
+  for (const auto& p : kPeaks)
+    if (device_name.find(p.name) != std::string::npos) return p.flops;
+  return 0.0;
+}
+
 void MetricsLog::append(const json& j) const {
   std::ofstream f(path_, std::ios::app);
   if (!f) throw EngineError(path_ + ": cannot append metrics");

@@ -32,6 +32,10 @@ class Progress {
 // Formats seconds as "1h02m", "3m05s" or "12.3s".
 std::string format_duration(double s);
 
+// The dense bf16 tensor-core peak (FLOP/s) of a GPU by its device name, as the vendor's data sheets give it: the
+// denominator of MFU, whatever precision the engine's products run in (the convention of llm.c). 0: not listed.
+double bf16_peak_flops(const std::string& device_name);
+
 // Appends one JSON object per line to a metrics file; truncate_after(step) drops lines with "step" > step
 // (used when a run resumes from a checkpoint so the file matches the restored state).
 class MetricsLog {

@@ -159,6 +159,7 @@ struct HostTrainer {
   void backward() { model.backward(); }
   double step(const TrainConfig& tc, double lr) { return adam.step(model, tc, lr); }
   Model<T>& eval_model() { return model; }
+  double peak_flops() const { return 0.0; }  // no MFU on the CPU
   void final_params(RunResult* r) {
     if constexpr (std::is_same_v<T, float>) r->params_f32 = model.params;
     else r->params_f64 = model.params;
@@ -192,6 +193,7 @@ struct CudaTrainer {
   void backward() { dev.backward(); }
   double step(const TrainConfig& tc, double lr) { return dev.adam_step(tc, lr); }
   CudaModel& eval_model() { return dev; }
+  double peak_flops() const { return bf16_peak_flops(dev.device_name()); }
   void final_params(RunResult* r) {
     dev.download(host, nullptr);
     r->params_f32 = host.params;
@@ -247,6 +249,12 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
   Progress bar(opt.label, tc.steps, step, opt.progress);
   Batch b;
   const auto t0 = std::chrono::steady_clock::now();
+  // Throughput over each metrics line's window (tokens: every position of the batch; sequences: its rows, which
+  // are the words of the word problems) and since the loop started (the progress bar); MFU where the device's
+  // peak is known (train_flops_per_token over bf16_peak_flops).
+  const double peak = tr.peak_flops();
+  int64_t win_tokens = 0, win_seqs = 0, run_tokens = 0, flops_T = -1;
+  double win_start = 0, win_flops = 0, flops_tok = 0;
   double& loss_acc = ls.loss_sum;
   double& acc_acc = ls.acc_sum;
   int64_t& n_acc = ls.n;
@@ -261,17 +269,33 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
     loss_acc += st.loss;
     acc_acc += st.count > 0 ? double(st.correct) / double(st.count) : 0.0;
     n_acc += 1;
+    win_tokens += b.B * b.T;
+    win_seqs += b.B;
+    run_tokens += b.B * b.T;
+    if (b.T != flops_T) flops_tok = train_flops_per_token(cfg.model, b.T), flops_T = b.T;
+    win_flops += double(b.B * b.T) * flops_tok;
     const int64_t done = step + 1;
+    const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (done % tc.log_every == 0 || done == tc.steps) {
-      const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (files)
-        log.append({{"step", done}, {"loss", loss_acc / double(n_acc)}, {"accuracy", acc_acc / double(n_acc)},
-                    {"lr", lr}, {"grad_norm", gnorm}, {"elapsed_s", el}});
+      if (files) {
+        const double dt = el - win_start;
+        json line = {{"step", done}, {"loss", loss_acc / double(n_acc)}, {"accuracy", acc_acc / double(n_acc)},
+                     {"lr", lr}, {"grad_norm", gnorm}, {"elapsed_s", el}};
+        if (dt > 0) {
+          line["tokens_per_s"] = double(win_tokens) / dt;
+          line["sequences_per_s"] = double(win_seqs) / dt;
+          if (peak > 0) line["mfu"] = win_flops / dt / peak;
+        }
+        log.append(line);
+      }
       loss_acc = acc_acc = 0;
       n_acc = 0;
+      win_tokens = win_seqs = 0;
+      win_flops = 0;
+      win_start = el;
     }
     char extra[64];
-    std::snprintf(extra, sizeof extra, "loss %.4f", st.loss);
+    std::snprintf(extra, sizeof extra, "loss %.4f, %.0f tok/s", st.loss, el > 0 ? double(run_tokens) / el : 0.0);
     bar.update(done, extra);
     if (tc.eval_every > 0 && done % tc.eval_every == 0 && done != tc.steps) do_eval(done);
     if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.steps) save(done);
@@ -281,7 +305,8 @@ RunResult train_typed(RunConfig cfg, const RunOptions& opt, const CheckpointInfo
   res.steps_per_s = res.train_seconds > 0 ? double(step - res.start_step) / res.train_seconds : 0.0;
   res.finished = step >= tc.steps;
   char extra[64];
-  std::snprintf(extra, sizeof extra, "loss %.4f", res.last_loss);
+  std::snprintf(extra, sizeof extra, "loss %.4f, %.0f tok/s", res.last_loss,
+                res.train_seconds > 0 ? double(run_tokens) / res.train_seconds : 0.0);
   if (opt.progress) bar.finish(extra);
   const bool resumed_done = ck && step == res.start_step;  // nothing was run: the checkpoint is already this
   if (!resumed_done) save(step);

@@ -186,6 +186,68 @@ TEST(EngineTrain, ResumedMetricsMatchTheUninterruptedRun) {
   fs::remove_all(b);
 }
 
+// Every metrics line carries its window's throughput: tokens (every position of the batch) and sequences a
+// second; MFU only where the device's peak is known, so never on the CPU.
+TEST(EngineTrain, MetricsCarryThroughput) {
+  const std::string dir = temp_dir("log_rate");
+  RunConfig c = tiny_flipflop(AttnKind::path);
+  c.train.steps = 20;
+  c.train.log_every = 5;
+  RunOptions ro;
+  ro.progress = false;
+  ro.out_dir = dir;
+  train_run(c, ro);
+  const double T = double(make_task(c.task)->model_len());
+  int lines = 0;
+  for (const auto& j : MetricsLog(dir + "/metrics.jsonl").read()) {
+    if (!j.contains("loss")) continue;
+    ++lines;
+    ASSERT_TRUE(j.contains("tokens_per_s") && j.contains("sequences_per_s")) << j.dump();
+    const double tok = j["tokens_per_s"].get<double>(), seq = j["sequences_per_s"].get<double>();
+    EXPECT_GT(tok, 0.0);
+    EXPECT_NEAR(tok / seq, T, 1e-9 * T);  // B T tokens and B sequences a step
+    EXPECT_FALSE(j.contains("mfu")) << j.dump();
+  }
+  EXPECT_EQ(lines, 4);
+  fs::remove_all(dir);
+}
+
+// MFU's numerator, counted here from the shapes (not from the parameter table the engine sums): 6 per weight of
+// every matrix product, a tied embedding once as the head, the w convolution not at all, and 6 K T per query head
+// and layer for attention.
+TEST(EngineTrain, TrainFlopsPerToken) {
+  for (const AttnKind attn : {AttnKind::rope, AttnKind::path, AttnKind::path_fox}) {
+    for (const bool tied : {true, false}) {
+      ModelConfig m;
+      m.attn = attn;
+      m.vocab_size = 11;
+      m.d_model = 48;
+      m.n_layer = 3;
+      m.n_head = 4;
+      m.n_kv_head = 2;
+      m.w_rank = 8;
+      m.tie_embeddings = tied;
+      const double C = 48, HQ = 4, H = 2, K = 12, F = m.F(), V = 11, R = 8, L = 3, T = 37;
+      double per_layer = C * HQ * K + 2 * C * H * K + HQ * K * C + C * 2 * F + F * C;
+      if (attn != AttnKind::rope) per_layer += C * R + R * H * K + C * H;  // w (low rank) and beta
+      if (attn == AttnKind::path_fox) per_layer += C * HQ;                 // the gate
+      const double weights = V * C + L * per_layer;  // the head (tied: the embedding; else lm_head)
+      EXPECT_DOUBLE_EQ(train_flops_per_token(m, 37), 6 * weights + 6 * L * HQ * K * T)
+          << attn_kind_name(attn) << " tied " << tied;
+    }
+  }
+}
+
+TEST(EngineTrain, PeakFlopsByDeviceName) {
+  EXPECT_EQ(bf16_peak_flops("NVIDIA H100 80GB HBM3"), 989.4e12);
+  EXPECT_EQ(bf16_peak_flops("NVIDIA H100 PCIe"), 756.0e12);
+  EXPECT_EQ(bf16_peak_flops("NVIDIA H100 NVL"), 835.0e12);
+  EXPECT_EQ(bf16_peak_flops("NVIDIA H200"), 989.4e12);
+  EXPECT_EQ(bf16_peak_flops("NVIDIA GH200 480GB"), 989.4e12);
+  EXPECT_EQ(bf16_peak_flops("NVIDIA A100-SXM4-80GB"), 312.0e12);
+  EXPECT_EQ(bf16_peak_flops("NVIDIA GeForce RTX 4090"), 0.0);
+}
+
 // Stop after 40 of 80 steps (a checkpoint every 20, as a killed run leaves), resume, compare with one run.
 TEST(EngineTrain, ResumeIsBitwiseIdentical) {
   for (AttnKind attn : {AttnKind::path, AttnKind::rope}) {

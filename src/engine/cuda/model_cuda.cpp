@@ -456,6 +456,14 @@ void CudaModel::download(Model<float>& host, AdamW<float>* opt) const {
   I.sync();
 }
 
+std::string CudaModel::device_name() const {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  return prop.name;
+}
+
 std::vector<float> CudaModel::grads() const {
   std::vector<float> g(size_t(impl_->total));
   check(cudaMemcpyAsync(g.data(), impl_->grads, g.size() * sizeof(float), cudaMemcpyDeviceToHost, impl_->s),

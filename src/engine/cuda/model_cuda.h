@@ -56,6 +56,8 @@ class CudaModel {
   std::vector<float> logits() const;
 
   const ModelConfig& config() const;
+  // The device's name (cudaDeviceProp::name), for reports.
+  std::string device_name() const;
 
  private:
   struct Impl;
