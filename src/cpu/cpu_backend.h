@@ -8,6 +8,7 @@
 
 #include "core/problem.h"
 #include "core/w_conv_norm.h"
+#include "pathattn/paged.h"
 
 namespace pathattn::cpu {
 
@@ -22,6 +23,12 @@ Status fast_bwd(const PathBwdParams& p, const core::Problem& pr);
 // length before the step. The caller sets the lengths.
 Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs);
 Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
+
+// The paged cache on the host (paged.cpp; include/pathattn/paged.h), after api/paged.cpp's validation; the
+// same algorithm and rounding points as the CUDA kernels, in fp32. Arguments as cuda::paged_prefill / decode.
+Status paged_prefill(const PathPagedPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs,
+                     const std::vector<int32_t>& slots);
+Status paged_decode(const PathPagedDecodeParams& p, const core::Problem& pr);
 
 // The w preparation op (w_conv_norm.cpp), in fp64 when pr.f64, else fp32.
 Status w_conv_norm_fwd(const WConvNormFwdParams& p, const core::WConvNormProblem& pr);

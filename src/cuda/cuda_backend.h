@@ -5,6 +5,7 @@
 
 #include "core/problem.h"
 #include "core/w_conv_norm.h"
+#include "pathattn/paged.h"
 
 namespace pathattn::cuda {
 
@@ -23,6 +24,18 @@ Status prefill(const PathPrefillParams& p, const core::Problem& pr, const std::v
 Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
 Status prefill_f32(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots);
 Status decode_f32(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
+
+// The paged cache (kernels/paged.cu; include/pathattn/paged.h), after api/paged.cpp's validation. q, k, v in
+// bf16 / f16, K = V in {64, 128}, key pages f16 or f32, S <= kPagedMaxPending.
+// paged_prefill: runs the forward, then writes sequence i (seqs[i], in sequence order, empty ones included) into
+//   slot slots[i]: keys transported to its end, values, gate cumsums; lengths and flushed set on the device.
+// paged_decode: pr is the step's problem (B = N slots, T tokens each); every metadata read happens on the device.
+Status paged_prefill(const PathPagedPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs,
+                     const std::vector<int32_t>& slots);
+Status paged_decode(const PathPagedDecodeParams& p, const core::Problem& pr);
+// Copies `bytes` from device memory to the host after the stream's earlier work (the validating mode's read of
+// the paged cache's metadata).
+Status copy_to_host(void* dst, const void* src, size_t bytes, void* stream);
 
 // The w preparation op (kernels/w_conv_norm.cu): x, weight, bias in bf16, fp16 or fp32, head_dim in
 // {16, 32, 64, 128, 256}, W <= kWConvNormMaxWidthCuda; anything else is unsupported, naming the argument.
