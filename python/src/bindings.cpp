@@ -415,7 +415,8 @@ NB_MODULE(_pathattn, m) {
         nb::arg("lse").none(), nb::arg("k_pages"), nb::arg("v_pages"), nb::arg("g_pages").none(),
         nb::arg("block_table"), nb::arg("lengths"), nb::arg("flushed"), nb::arg("pend_k").none(),
         nb::arg("pend_w").none(), nb::arg("pend_beta").none(), nb::arg("slots").none(), nb::arg("scale"),
-        nb::arg("gate_scale"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("chunk_size"), nb::arg("validate"), nb::arg("stream"),
+        nb::arg("gate_scale"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("chunk_size"),
+        nb::arg("validate"), nb::arg("stream"),
         "Paged prefill: forward over prompts, each written into its slot of the paged cache.");
   m.def("paged_decode", &paged_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("w").none(),
         nb::arg("beta").none(), nb::arg("g").none(), nb::arg("o"), nb::arg("lse").none(), nb::arg("k_pages"),
