@@ -440,4 +440,5 @@ NB_MODULE(_pathattn, m) {
   m.def("describe", &describe, nb::arg("array"),
         "How an array is seen by the C++ side: data address, dtype, device, shape, strides (in elements).");
   m.attr("DEFAULT_SCALE") = std::nan("");
+  m.attr("PAGED_MAX_PENDING") = kPagedMaxPending;
 }
