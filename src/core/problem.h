@@ -8,6 +8,7 @@
 
 #include "pathattn/attention.h"
 #include "pathattn/decode.h"
+#include "pathattn/paged.h"
 
 // Returns early from the enclosing function when a Status-valued expression fails.
 #define PA_TRY(expr)            \
@@ -44,6 +45,26 @@ Status check_fwd_inputs(const PathFwdParams& p, Problem* out);
 // Shared by the decode entry points: validates the cache views against a problem's H, HQ, K, V, dtype.
 // `num_seqs` is the number of cache slots expected; `need_room` requires lengths[n] < capacity.
 Status check_cache(const DecodeCache& c, const Problem& pr, int64_t num_seqs, bool need_room);
+
+// The paged cache's sizes, from its validated views (include/pathattn/paged.h): N slots, a pool of P pages of
+// `page` rows, max_pages block-table entries per slot, S pending rows per slot.
+struct PagedGeometry {
+  int64_t N = 0, P = 0, page = 1, max_pages = 0, S = 1;
+  int64_t capacity() const { return max_pages * page; }
+};
+
+// Validates the paged cache's views against a problem's H, HQ, K, V, gate and path and v's dtype: shapes,
+// dtypes, devices (the backend's), contiguous last dims, 1 <= S <= kPagedMaxPending. `num_slots` is the N
+// expected (-1: any, taken from block_table). Reads the views' headers only (validate_paged.cpp).
+Status check_paged_cache(const PagedCache& c, const Problem& pr, DType v_dtype, int64_t num_slots, PagedGeometry* g);
+
+// The paged cache's metadata checks, on host copies. paged_slot_error: slot n (length len, flush point m,
+// block-table row `row` of g.max_pages entries) before a decode call of T tokens each; "" when the slot is free
+// (len == -1) or can take them, else the reason naming the argument. `path`: the pending buffer is used (without
+// it m must equal len). paged_rows_error: slot n's rows [0, rows) fit its capacity and lie in pages of the pool.
+std::string paged_slot_error(const PagedGeometry& g, bool path, int64_t T, int64_t n, int64_t len, int64_t m,
+                             const int32_t* row);
+std::string paged_rows_error(const PagedGeometry& g, int64_t n, int64_t rows, const int32_t* row);
 
 // Opt-in validating mode: non-finite values, beta outside [0, 2], | ||w_t|| - 1 | > 1e-2.
 Status check_values(const Problem& pr, const TensorView& q, const TensorView& k, const TensorView& v,
