@@ -93,6 +93,9 @@ class PagedCache:
             kdt = torch.float16 if key_dtype is None else key_dtype
             if kdt not in (torch.float16, torch.float32):
                 raise TypeError(f"key_dtype: expected torch.float16 or torch.float32, got {kdt}")
+            if dtype == torch.float64:
+                raise TypeError("dtype: float64 is not supported by the paged cache (its key pages are float16 or "
+                                "float32); use the dense PathCache (pathattn.prefill) for fp64")
 
             def full(shape, dt, value):
                 return torch.full(shape, value, dtype=dt, device=dev)
@@ -113,6 +116,9 @@ class PagedCache:
                 raise TypeError(f"key_dtype: expected numpy.float16 or numpy.float32, got {key_dtype!r}") from None
             if kdt not in (np.float16, np.float32):
                 raise TypeError(f"key_dtype: expected numpy.float16 or numpy.float32, got {kdt}")
+            if dtype == np.float64:
+                raise TypeError("dtype: float64 is not supported by the paged cache (its key pages are float16 or "
+                                "float32); use the dense PathCache (pathattn.prefill) for fp64")
 
             def full(shape, dt, value):
                 return np.full(shape, value, dtype=dt)

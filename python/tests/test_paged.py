@@ -182,7 +182,8 @@ def test_reserve_across_page_boundaries_and_capacity_errors(rng):
     assert cache.pages(1) == [0, 1, 2, 3]
     step(12)
     assert cache.lengths.tolist() == [-1, 13]
-    with pytest.raises(ValueError, match=r"^n_tokens: slot 1 would need 29 pages for 113 tokens, more than max_pages = 8"):
+    with pytest.raises(ValueError, match=r"^n_tokens: slot 1 would need 29 pages for 113 tokens, more than "
+                                         r"max_pages = 8"):
         cache.reserve(1, 100)  # beyond max_pages (8) even if the pool had room
     with pytest.raises(ValueError, match=r"^slot: slot 0 is free"):
         cache.reserve(0, 1)
@@ -352,6 +353,7 @@ def test_errors(rng):
                          (dict(num_pages=0), ValueError, r"^num_pages: expected an int >= 1"),
                          (dict(page_size=2.0), TypeError, r"^page_size: expected an int"),
                          (dict(key_dtype=np.float64), TypeError, r"^key_dtype: expected numpy.float16"),
+                         (dict(dtype=np.float64), TypeError, r"^dtype: float64 is not supported by the paged cache"),
                          (dict(dtype="nonsense"), TypeError, r"^dtype: expected a torch or numpy dtype"),
                          (dict(device="cuda"), ValueError, r"^device: numpy caches live in host memory"),
                          (dict(backend="gpu"), ValueError, r"^backend"),
