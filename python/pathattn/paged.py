@@ -135,7 +135,6 @@ class PagedCache:
         self.pend_k = full((num_slots, S, H, K), f32, 0)
         self.pend_w = full((num_slots, S, H, K), f32, 0) if path else None
         self.pend_beta = full((num_slots, S, H), f32, 0) if path else None
-        self.heads = (H, HQ, K, V)
         # The allocator (host): free pages (popped from the end: page 0 first) and each slot's pages in order;
         # a slot is in use from its prefill to its eviction.
         self._free = list(range(P - 1, -1, -1))
@@ -198,7 +197,11 @@ class PagedCache:
     def host_lengths(self):
         """lengths as a host numpy int32 array (-1: free slot). For a CUDA cache this copies it from the device
         and so waits for the steps queued before."""
-        return self.lengths.copy() if self._numpy else self.lengths.cpu().numpy()
+        if self._numpy:
+            return self.lengths.copy()
+        if self._stream is not None and self.lengths.device.type == "cuda":
+            _torch().cuda.current_stream(self.lengths.device).wait_stream(self._stream)  # the last step's stream
+        return self.lengths.cpu().numpy()
 
     # -- allocator ------------------------------------------------------------------------------------------
     def _slot_arg(self, name, slot):
@@ -271,6 +274,7 @@ class PagedCache:
 
     def insert(self, slot, q, k, v, w=None, beta=None, g=None, *, extra=0, return_lse=False, validate=False):
         """Prefills one prompt (q [1, L, HQ, K], ...) into the free `slot`: paged_prefill with slots=[slot]."""
+        slot = self._slot_arg("slot", slot)
         return paged_prefill(q, k, v, w, beta, g, self, slots=[slot], extra=extra, return_lse=return_lse,
                              validate=validate)
 
