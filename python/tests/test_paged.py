@@ -255,6 +255,8 @@ def test_free_slots_and_lse(rng):
 
 def test_torch_cpu_matches_numpy(rng):
     torch = pytest.importorskip("torch")
+    if not pathattn.HAS_TORCH:
+        pytest.skip("pathattn was imported without torch (PATHATTN_NO_TORCH=1)")
     x = make_inputs(rng, 2, 14, 4, 2, 16, 8, gate=True)
     xt = {n: (None if a is None else torch.from_numpy(a)) for n, a in x.items()}
     c_np = new_cache(x, key_dtype=np.float16, pending=3)
