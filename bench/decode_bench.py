@@ -5,9 +5,13 @@ pathattn.decode_step appends one token to every request and returns its output; 
 scaled_dot_product_attention of one query per request over a 16-bit K/V cache of the same length (GQA by
 enable_gqa, as a serving stack's decode). The two take turns in rounds (the order reversed every other round)
 and each cell is the median of every timed step; on a GPU each step is timed by CUDA events around a run of
-steps, and with --graphs the baseline is also timed replaying a captured CUDA graph of its steps. Besides the
-times: the bytes each step must move (pathattn: its cache read and the transported keys written back; the
-baseline: its K and V read) and the rate that makes. Writes a markdown table (--out) and prints it.
+steps, and with --graphs the baseline is also timed replaying a captured CUDA graph of its steps. With --paged
+(default) a third case: pathattn.paged_decode over a PagedCache of the same prompts (f16 key pages, page 16,
+pending S = 64, validate=False), eager and (GPU, --graphs) replayed from a CUDA graph; it is timed in runs of a
+multiple of S steps, so every run holds exactly its share of flushes. Besides the times: the bytes each step must
+move (pathattn: its cache read and the transported keys written back; paged: its f16 keys and values read, plus a
+flush's read and write of the keys every S steps; the baseline: its K and V read) and the rate that makes. Writes
+a markdown table (--out) and prints it.
     python3 bench/decode_bench.py [--shapes 1x4096,1x32768] [--out results/bench/decode_h200.md]
     python3 bench/decode_bench.py --device cpu --tiny --out ''          # a smoke test; numbers mean nothing
 """
@@ -58,9 +62,28 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def make_cases(pathattn, N, L, HQ, H, K, dtype, device, gate, capacity_extra, graphs):
+# The paged cache's settings: key pages in f16, vLLM's usual page of 16 tokens, a flush every 64 steps.
+PAGE, PENDING = 16, 64
+
+
+def graph_of(fn, warmup):
+    """A CUDA graph of one call of fn, captured after `warmup` calls on a side stream: its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def make_cases(pathattn, N, L, HQ, H, K, dtype, device, gate, capacity_extra, graphs, paged):
     """The callables of one shape: {name: fn}; pathattn's appends a token each call (capacity is reserved for
-    capacity_extra calls, so no call grows the cache)."""
+    capacity_extra calls, so no call grows the cache), and so do the paged cache's (both of its cases share one
+    cache: room for twice capacity_extra calls)."""
     g = torch.Generator(device=device).manual_seed(N * 1000003 + L)
 
     def rnd(*shape, dt=dtype):
@@ -75,6 +98,12 @@ def make_cases(pathattn, N, L, HQ, H, K, dtype, device, gate, capacity_extra, gr
     beta = 2 * torch.rand(N, L, H, generator=g, device=device)
     gg = -torch.rand(N, L, HQ, generator=g, device=device) * 0.1 if gate else None
     _, cache = pathattn.prefill(q, k, v, w, beta, gg, capacity=L + capacity_extra)
+    pc = None
+    if paged:
+        pages = -(-(L + 2 * capacity_extra) // PAGE)  # a slot's pages
+        pc = pathattn.PagedCache(N, N * pages, PAGE, H, K, K, HQ, dtype, device, gate=gate, pending=PENDING,
+                                 max_pages=pages)
+        pathattn.paged_prefill(q, k, v, w, beta, gg, pc, extra=2 * capacity_extra)
     del q, k, v, w, beta, gg
     # One token's inputs, reused every step (the cost does not depend on their values).
     q1, k1, v1 = rnd(N, 1, HQ, K), unit(rnd(N, 1, H, K)), rnd(N, 1, H, K)
@@ -92,18 +121,22 @@ def make_cases(pathattn, N, L, HQ, H, K, dtype, device, gate, capacity_extra, gr
         F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=HQ != H)
 
     cases = {"pathattn": ours, "sdpa": sdpa}
+    if paged:
+        def paged_step():
+            pathattn.paged_decode(q1, k1, v1, w1 if pc.path else None, b1 if pc.path else None, g1, pc,
+                                  validate=False)
+
+        cases["paged"] = paged_step
     if graphs and device.type == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                sdpa()  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            sdpa()
-        cases["sdpa_graph"] = graph.replay
-    return cases, cache
+        cases["sdpa_graph"] = graph_of(sdpa, 3)
+        if paged:
+            cases["paged_graph"] = graph_of(paged_step, 2)  # 3 calls: within the room reserved for warm-ups
+    return cases, cache, pc
+
+
+def paged_steps(steps):
+    """Steps a run of the paged cases: a multiple of S, so that each run holds exactly its share of flushes."""
+    return -(-steps // PENDING) * PENDING
 
 
 def bench_shape(cases, timer, rounds, steps):
@@ -114,7 +147,8 @@ def bench_shape(cases, timer, rounds, steps):
     out = {name: [] for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            out[name].append(timer(cases[name], steps) / steps)
+            n = paged_steps(steps) if name.startswith("paged") else steps
+            out[name].append(timer(cases[name], n) / n)
     return out
 
 
@@ -131,6 +165,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each case a round")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="also the baseline replayed from a CUDA graph (GPU)")
+    ap.add_argument("--paged", action=argparse.BooleanOptionalAction, default=True,
+                    help="also pathattn's paged cache (paged_decode, validate=False; a CUDA graph of it with --graphs)")
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes and heads (a smoke test)")
     ap.add_argument("--out", default="results/bench/decode_h200.md", help="markdown table ('' : print only)")
@@ -160,21 +196,24 @@ def main():
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     timer = Timer(device)
-    extra = 3 * 2 + args.rounds * args.steps + 16  # every call of pathattn's case appends a token
+    # Every call of pathattn's case appends a token (3 warm-ups, then the rounds); the paged cases' runs are longer.
+    extra = 3 * 2 + args.rounds * max(args.steps, paged_steps(args.steps) if args.paged else 0) + 16
 
     rows, cache_dt = [], "?"
     for N, L in shapes:
-        cases, cache = make_cases(pathattn, N, L, args.HQ, args.H, args.K, dtype, device, args.gate, extra,
-                                  args.graphs)
+        cases, cache, pc = make_cases(pathattn, N, L, args.HQ, args.H, args.K, dtype, device, args.gate, extra,
+                                      args.graphs, args.paged)
         got = bench_shape(cases, timer, args.rounds, args.steps)
         med = {name: statistics.median(v) for name, v in got.items()}
         elems = N * args.H * L * args.K
         cache_bytes, cache_dt = cache.kc.element_size(), str(cache.kc.dtype).replace("torch.", "")
         # pathattn: keys read and written back, values read; the baseline: 16-bit keys and values read.
         ours_bytes, base_bytes = elems * 3 * cache_bytes, elems * 2 * 2
-        rows.append((N, L, med, ours_bytes, base_bytes))
+        # paged: f16 keys and 16-bit values read; a flush every S steps reads and writes the keys.
+        paged_bytes = elems * (2 + 2) + elems * 2 * 2 / PENDING
+        rows.append((N, L, med, ours_bytes, base_bytes, paged_bytes))
         print(f"{N}x{L}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in med.items()), file=sys.stderr)
-        del cases, cache
+        del cases, cache, pc
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -185,20 +224,37 @@ def main():
              f"- Date: {now}. Commit: {commit}. torch {torch.__version__}.",
              f"- HQ = {args.HQ}, H = {args.H}, K = V = {args.K}, inputs {args.dtype}"
              f"{', forget gate' if args.gate else ''}; pathattn's cache {cache_dt}, the "
-             f"baseline's {args.dtype}. Each cell: the median over {args.rounds} rounds of {args.steps} steps.",
+             f"baseline's {args.dtype}. Each cell: the median over {args.rounds} rounds of {args.steps} steps" +
+             (f" ({paged_steps(args.steps)} for the paged cache: a multiple of its S = {PENDING})." if args.paged
+              else "."),
              "- Command: `python " + " ".join(["bench/decode_bench.py"] + sys.argv[1:]) + "`", "",
              "| requests x context | pathattn us | SDPA us |" + (" SDPA graph us |" if graph_col else "") +
-             " pathattn / SDPA | pathattn GB/s | SDPA GB/s |",
-             "|---|---|---|" + ("---|" if graph_col else "") + "---|---|---|"]
-    for N, L, med, ob, bb in rows:
+             " pathattn / SDPA | pathattn GB/s | SDPA GB/s |" +
+             ((" paged us |" + (" paged graph us |" if graph_col else "") + " paged / SDPA | paged GB/s |")
+              if args.paged else ""),
+             "|---|---|---|" + ("---|" if graph_col else "") + "---|---|---|" +
+             (("---|" * (4 if graph_col else 3)) if args.paged else "")]
+    for N, L, med, ob, bb, pb in rows:
         o, s = med["pathattn"], med["sdpa"]
         g = f" {med['sdpa_graph'] * 1e6:.1f} |" if graph_col else ""
         best = min(s, med.get("sdpa_graph", s))
-        lines.append(f"| {N} x {L} | {o * 1e6:.1f} | {s * 1e6:.1f} |{g} {o / best:.2f} | {ob / o / 1e9:,.0f} | "
-                     f"{bb / s / 1e9:,.0f} |")
+        line = (f"| {N} x {L} | {o * 1e6:.1f} | {s * 1e6:.1f} |{g} {o / best:.2f} | {ob / o / 1e9:,.0f} | "
+                f"{bb / s / 1e9:,.0f} |")
+        if args.paged:
+            p = med["paged"]
+            pg = f" {med['paged_graph'] * 1e6:.1f} |" if graph_col else ""
+            pbest = min(p, med.get("paged_graph", p))
+            line += f" {p * 1e6:.1f} |{pg} {pbest / best:.2f} | {pb / pbest / 1e9:,.0f} |"
+        lines.append(line)
     lines += ["", "pathattn / SDPA divides by the faster of the baseline's two timings. GB/s: the bytes a step must "
               "move (pathattn: cached keys read and written, values read; SDPA: keys and values read) over its "
               "time."]
+    if args.paged:
+        lines += ["", f"paged: pathattn.paged_decode over a PagedCache (f16 key pages, page {PAGE}, pending "
+                  f"{PENDING}, validate=False){', eager and replayed from a CUDA graph' if graph_col else ''}. "
+                  "paged / SDPA divides the faster paged timing by the faster baseline timing; its GB/s counts f16 "
+                  "keys and 16-bit values read and a flush's read and write of the keys every "
+                  f"{PENDING} steps, over the faster paged timing."]
     write_report(lines, args.out)
 
 

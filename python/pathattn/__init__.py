@@ -9,6 +9,8 @@ works on numpy arrays (CPU) and torch tensors (CPU and CUDA, with autograd and t
 
 - ``parallel_path_attn_bwd``: the backward as a plain function (numpy or torch, no autograd);
 - ``prefill`` / ``decode_step`` / ``PathCache``: inference with a cache of transported keys;
+- ``PagedCache`` / ``paged_prefill`` / ``paged_decode``: serving with a paged cache of lazily transported keys
+  (request slots joining and leaving, steps capturable in a CUDA graph);
 - ``pathattn.nn.PaTHAttention`` (torch): the layer, loading flash-linear-attention state_dicts;
 - ``pathattn.models`` (torch + transformers): PaTHConfig, PaTHModel, PaTHForCausalLM, checkpoint-compatible
   with flash-linear-attention's PaTH models;
@@ -31,12 +33,15 @@ from ._api import (
     parallel_path_attention,
 )
 from .decode import PathCache, decode_step, prefill
+from .paged import PAGED_MAX_PENDING, PagedCache, PoolExhaustedError, paged_decode, paged_prefill
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "PAGED_MAX_PENDING",
+    "PagedCache",
     "PathCache",
     "PathGrads",
     "UnsupportedError",
@@ -45,7 +50,10 @@ __all__ = [
     "decode_step",
     "parallel_path_attn",
     "parallel_path_attn_bwd",
+    "paged_decode",
+    "paged_prefill",
     "parallel_path_attention",
+    "PoolExhaustedError",
     "prefill",
     "set_workspace_limit",
     "workspace_limit",

@@ -259,6 +259,66 @@ void decode(const InArray& q, const InArray& k, const InArray& v, const OptIn& w
   run_released(path_attn_decode, p);
 }
 
+// The paged cache's views (pathattn/paged.h), all written by the ops; the optional ones are absent without a gate
+// (g_pages) or without w (pend_w, pend_beta).
+PagedCache paged_cache_of(OutArray& k_pages, OutArray& v_pages, OptOut& g_pages, OutArray& block_table,
+                          OutArray& lengths, OutArray& flushed, OptOut& pend_k, OptOut& pend_w,
+                          OptOut& pend_beta) {
+  PagedCache c;
+  c.k_pages = view_of("cache.k_pages", k_pages);
+  c.v_pages = view_of("cache.v_pages", v_pages);
+  c.g_pages = opt_view("cache.g_pages", g_pages);
+  c.block_table = view_of("cache.block_table", block_table);
+  c.lengths = view_of("cache.lengths", lengths);
+  c.flushed = view_of("cache.flushed", flushed);
+  c.pend_k = opt_view("cache.pend_k", pend_k);
+  c.pend_w = opt_view("cache.pend_w", pend_w);
+  c.pend_beta = opt_view("cache.pend_beta", pend_beta);
+  return c;
+}
+
+// Prefill into chosen slots of a paged cache: the forward's o (and lse), the sequences' keys, values and gate
+// sums scattered into the slots' pages. slots [num_seqs] i32 in host memory, or None for slot n = sequence n.
+void paged_prefill(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
+                   const OptIn& g, const OptIn& cu_seqlens, OutArray& o, OptOut& lse, OutArray& k_pages,
+                   OutArray& v_pages, OptOut& g_pages, OutArray& block_table, OutArray& lengths, OutArray& flushed,
+                   OptOut& pend_k, OptOut& pend_w, OptOut& pend_beta, const OptIn& slots, double scale,
+                   double gate_scale, int backend, int num_threads, int chunk_size, bool validate,
+                   uintptr_t stream) {
+  PathPagedPrefillParams p;
+  p.fwd = fwd_params(q, k, v, w, beta, g, cu_seqlens, o, lse, scale, gate_scale, backend, num_threads, chunk_size,
+                     validate, stream);
+  p.cache = paged_cache_of(k_pages, v_pages, g_pages, block_table, lengths, flushed, pend_k, pend_w, pend_beta);
+  p.slots = opt_view("slots", slots);
+  run_released(path_attn_paged_prefill, p);
+}
+
+// T tokens for every slot of a paged cache (q [N, T, HQ, K]). validate: the metadata is read and checked first
+// (on the host; for CUDA a copy and a wait on the stream); off for a step captured in a CUDA graph.
+void paged_decode(const InArray& q, const InArray& k, const InArray& v, const OptIn& w, const OptIn& beta,
+                  const OptIn& g, OutArray& o, OptOut& lse, OutArray& k_pages, OutArray& v_pages, OptOut& g_pages,
+                  OutArray& block_table, OutArray& lengths, OutArray& flushed, OptOut& pend_k, OptOut& pend_w,
+                  OptOut& pend_beta, double scale, double gate_scale, bool validate, int backend, int num_threads,
+                  uintptr_t stream) {
+  PathPagedDecodeParams p;
+  p.q = view_of("q", q);
+  p.k = view_of("k", k);
+  p.v = view_of("v", v);
+  p.w = opt_view("w", w);
+  p.beta = opt_view("beta", beta);
+  p.g = opt_view("g", g);
+  p.scale = scale;
+  p.gate_scale = gate_scale;
+  p.o = view_of("o", o);
+  p.lse = opt_view("lse", lse);
+  p.cache = paged_cache_of(k_pages, v_pages, g_pages, block_table, lengths, flushed, pend_k, pend_w, pend_beta);
+  p.validate = validate;
+  p.backend = to_backend(backend);
+  p.num_threads = num_threads;
+  p.stream = to_stream(stream);
+  run_released(path_attn_paged_decode, p);
+}
+
 // The w preparation op (pathattn/w_conv_norm.h): out [B, T, D] from x, the optional convolution weight [D, W] and
 // bias [D], per-head L2 norm over head_dim channels.
 void wcn_fwd(const InArray& x, const OptIn& weight, const OptIn& bias, const OptIn& cu_seqlens, OutArray& out,
@@ -350,6 +410,20 @@ NB_MODULE(_pathattn, m) {
         nb::arg("vc"), nb::arg("gc").none(), nb::arg("lengths"), nb::arg("scale"), nb::arg("gate_scale"),
         nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"),
         "One decode step for every cache slot (updates the cache in place).");
+  m.def("paged_prefill", &paged_prefill, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("w").none(),
+        nb::arg("beta").none(), nb::arg("g").none(), nb::arg("cu_seqlens").none(), nb::arg("o"),
+        nb::arg("lse").none(), nb::arg("k_pages"), nb::arg("v_pages"), nb::arg("g_pages").none(),
+        nb::arg("block_table"), nb::arg("lengths"), nb::arg("flushed"), nb::arg("pend_k").none(),
+        nb::arg("pend_w").none(), nb::arg("pend_beta").none(), nb::arg("slots").none(), nb::arg("scale"),
+        nb::arg("gate_scale"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("chunk_size"),
+        nb::arg("validate"), nb::arg("stream"),
+        "Paged prefill: forward over prompts, each written into its slot of the paged cache.");
+  m.def("paged_decode", &paged_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("w").none(),
+        nb::arg("beta").none(), nb::arg("g").none(), nb::arg("o"), nb::arg("lse").none(), nb::arg("k_pages"),
+        nb::arg("v_pages"), nb::arg("g_pages").none(), nb::arg("block_table"), nb::arg("lengths"),
+        nb::arg("flushed"), nb::arg("pend_k").none(), nb::arg("pend_w").none(), nb::arg("pend_beta").none(),
+        nb::arg("scale"), nb::arg("gate_scale"), nb::arg("validate"), nb::arg("backend"), nb::arg("num_threads"),
+        nb::arg("stream"), "T tokens for every slot of the paged cache (updates the cache in place).");
   m.def("w_conv_norm_fwd", &wcn_fwd, nb::arg("x"), nb::arg("weight").none(), nb::arg("bias").none(),
         nb::arg("cu_seqlens").none(), nb::arg("out"), nb::arg("head_dim"), nb::arg("activation"), nb::arg("eps"),
         nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"),
@@ -366,4 +440,5 @@ NB_MODULE(_pathattn, m) {
   m.def("describe", &describe, nb::arg("array"),
         "How an array is seen by the C++ side: data address, dtype, device, shape, strides (in elements).");
   m.attr("DEFAULT_SCALE") = std::nan("");
+  m.attr("PAGED_MAX_PENDING") = kPagedMaxPending;
 }

@@ -1,5 +1,6 @@
-"""The benchmark scripts that run on a CPU too: bench/decode_bench.py's smoke run, and bench/engine_bench.py's
-reading of Nsight Compute's per-launch CSV (its --kernels table), on a made-up file in ncu's format."""
+"""The benchmark scripts that run on a CPU too: bench/decode_bench.py's smoke run (its paged cache column too), and
+bench/engine_bench.py's reading of Nsight Compute's per-launch CSV (its --kernels table), on a made-up file in ncu's
+format."""
 import importlib.util
 import os
 import pathlib
@@ -26,11 +27,16 @@ def test_decode_bench_cpu_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(_BENCH / "decode_bench.py"), "--device", "cpu", "--tiny", "--rounds", "2",
                         "--steps", "2", "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [x for x in out.read_text().splitlines() if x.startswith("| 1 x 256 |") or x.startswith("| 2 x 128 |")]
+    lines = out.read_text().splitlines()
+    header = [c.strip() for c in next(x for x in lines if x.startswith("| requests x context |")).strip("|").split("|")]
+    assert "paged us" in header and "paged graph us" not in header  # the paged cache's column; no graphs on a CPU
+    rows = [x for x in lines if x.startswith("| 1 x 256 |") or x.startswith("| 2 x 128 |")]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == len(header)
         assert float(cells[1]) > 0 and float(cells[2]) > 0  # both sides timed
+        assert float(cells[header.index("paged us")]) > 0 and float(cells[header.index("paged GB/s")]) >= 0
 
 
 def test_decode_bench_rejects_bad_shapes():

@@ -475,3 +475,94 @@ def test_layer_on_cuda_with_op_close_to_unfused(monkeypatch):
     # output: both within bf16 rounding, as the attention op's own bf16 bars.
     assert rl2(y, ref) <= 5e-3
     assert rl2(gx, x.grad) <= 2e-2 and rl2(gw, layer.w_conv1d.weight.grad) <= 2e-2
+
+
+# -- the paged cache (pathattn.PagedCache) ------------------------------------------------------------------------
+_PAGED = ("q", "k", "v", "w", "beta", "g")
+
+
+def _rows(x, rows, a, b):
+    """Tokens a..b of the given batch rows, as one batch."""
+    return {n: x[n][rows, a:b] for n in _PAGED}
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_paged_decode_cuda_matches_cpu(K):
+    """Three prompts of different lengths prefilled into a paged cache on the GPU and into one on the CPU backend
+    (bf16 q, k, v; f16 key pages; page 16, pending 16), then 48 steps in which the slots flush at different steps;
+    at step 24 slot 2 is evicted and a new prompt inserted there. Outputs and every cache array against the CPU's:
+    the values, pending rows and metadata are copies (bitwise); the keys differ only where fp32 sums in another
+    order round to another f16 (rare, one ulp: 2^-11 relative); the bf16 outputs by their rounding (2^-9)."""
+    lens, steps, HQ, H = [37, 150, 1], 48, 8, 2
+    x = gpu_inputs(B=4, T=max(lens) + steps, HQ=HQ, H=H, K=K, V=K, seed=11)
+    xc = {n: t.cpu() for n, t in x.items()}
+    caches = [pathattn.PagedCache(3, 64, 16, H, K, K, HQ, torch.bfloat16, dev, gate=True, pending=16)
+              for dev in ("cuda", "cpu")]
+    cu = [0] + [sum(lens[:i + 1]) for i in range(3)]
+    outs = [[], []]
+    for c, xs, out in zip(caches, (x, xc), outs):
+        prompt = {n: torch.cat([xs[n][i:i + 1, :L] for i, L in enumerate(lens)], 1) for n in _PAGED}
+        out.append(pathattn.paged_prefill(*(prompt[n] for n in _PAGED), c, cu_seqlens=cu, extra=steps))
+    assert caches[0].k_pages.dtype == torch.float16 and caches[0].lengths.device.type == "cuda"
+    pos = list(lens)
+    for t in range(steps):
+        if t == 24:  # slot 2 leaves; request 3 (a 20-token prompt, batch row 3) joins in its place
+            for c, xs, out in zip(caches, (x, xc), outs):
+                c.evict(2)
+                out.append(c.insert(2, *(xs[n][3:4, :20] for n in _PAGED), extra=steps))
+            pos[2] = 20
+        rows = [0, 1, 3 if t >= 24 else 2]
+        for c, xs, out in zip(caches, (x, xc), outs):
+            step = {n: torch.cat([xs[n][r:r + 1, p:p + 1] for r, p in zip(rows, pos)], 0) for n in _PAGED}
+            out.append(pathattn.paged_decode(*(step[n] for n in _PAGED), c))
+        pos = [p + 1 for p in pos]
+    gc, cc = caches
+    assert gc.lengths.tolist() == cc.lengths.tolist() == [lens[0] + steps, lens[1] + steps, 20 + 24]
+    assert gc.flushed.tolist() == cc.flushed.tolist()
+    eo = rl2(torch.cat([o.flatten() for o in outs[0]]), torch.cat([o.flatten() for o in outs[1]]))
+    ek = rl2(gc.k_pages, cc.k_pages)
+    print(f"[paged cuda vs cpu] K={K}: o {eo:.2e}, k_pages {ek:.2e}, flushed {gc.flushed.tolist()}")
+    for name in ("v_pages", "g_pages", "pend_k", "pend_w", "pend_beta", "block_table"):
+        assert torch.equal(getattr(gc, name).cpu(), getattr(cc, name)), name
+    assert eo <= 4e-3 and ek <= 1e-4
+
+
+def test_paged_decode_cuda_graph_replay():
+    """A step of a fixed batch (3 slots in use, 1 free) captured in a CUDA graph with validate=False and replayed
+    100 times with new tokens copied into its static inputs (pending 16: six flushes on the way), against 100
+    eager steps of the same tokens on a clone of the cache: the same kernels, so equal outputs and caches."""
+    N, HQ, H, K, steps = 4, 8, 2, 128, 100
+    lens = [100, 17, 64]
+    cache = pathattn.PagedCache(N, 64, 16, H, K, K, HQ, torch.bfloat16, "cuda", gate=True, pending=16)
+    p = gpu_inputs(B=3, T=100, HQ=HQ, H=H, K=K, V=K, seed=21)
+    for i, L in enumerate(lens):
+        cache.insert(i, *(p[n][i:i + 1, :L] for n in _PAGED), extra=steps)
+    x = gpu_inputs(B=N, T=steps, HQ=HQ, H=H, K=K, V=K, seed=22)
+    static = {n: x[n][:, :1].clone() for n in _PAGED}
+    eager, scratch = cache.clone(), cache.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, on a scratch copy
+        for _ in range(2):
+            pathattn.paged_decode(*(static[n] for n in _PAGED), scratch, validate=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static = pathattn.paged_decode(*(static[n] for n in _PAGED), cache, validate=False)
+    assert cache.lengths.tolist() == lens + [-1]  # capturing ran nothing
+    replayed = []
+    for t in range(steps):
+        for n in _PAGED:
+            static[n].copy_(x[n][:, t:t + 1])
+        graph.replay()
+        replayed.append(o_static.clone())
+    stepped = [pathattn.paged_decode(*(x[n][:, t:t + 1] for n in _PAGED), eager, validate=False)
+               for t in range(steps)]
+    og, oe = torch.cat(replayed, 1), torch.cat(stepped, 1)
+    print(f"[paged cuda graph] bitwise equal: {torch.equal(og, oe)}; flushed {cache.flushed.tolist()}")
+    assert cache.lengths.tolist() == eager.lengths.tolist() == [L + steps for L in lens] + [-1]
+    assert cache.flushed.tolist() == eager.flushed.tolist() and min(cache.flushed.tolist()[:3]) > max(lens)
+    assert not og[3].any()  # the free slot
+    torch.testing.assert_close(og, oe, rtol=1e-6, atol=1e-6)
+    for name in ("k_pages", "v_pages", "g_pages", "pend_k", "pend_w", "pend_beta"):
+        torch.testing.assert_close(getattr(cache, name), getattr(eager, name), rtol=1e-6, atol=1e-6, msg=name)
