@@ -215,10 +215,12 @@ bool same_paged(const Paged& a, const Paged& b) {
   return true;
 }
 
-Status paged_prefill(const Case& c, const Paged& pc, const Outs& out, Backend be, const HostTensor* slots = nullptr) {
+Status paged_prefill(const Case& c, const Paged& pc, const Outs& out, Backend be, const HostTensor* slots = nullptr,
+                     int num_threads = 0) {
   PathPagedPrefillParams p;
   p.fwd = c.fwd_params(out.o, &out.lse);
   p.fwd.backend = be;
+  p.fwd.num_threads = num_threads;
   p.cache = pc.view();
   if (slots) p.slots = slots->view();
   return path_attn_paged_prefill(p);
@@ -244,7 +246,8 @@ PathPagedDecodeParams paged_params(const Case& d, int64_t t0, int64_t T, const P
 }
 
 // The dense reference: f64 DecodeCache on the oracle, prefill then one decode call per step. Returns the prefill
-// outputs and each step's [N, 1, HQ, V] / [N, 1, HQ] outputs.
+// outputs and each step's [N, 1, HQ, V] / [N, 1, HQ] outputs. One thread: these cases are small, and teams of
+// OpenMP threads per step only contend with the other tests that ctest runs beside them.
 struct DenseRun {
   std::vector<double> pre_o, pre_lse;
   std::vector<std::vector<double>> o, lse;
@@ -266,6 +269,7 @@ DenseRun dense_reference(const Scenario& sc) {
   PathPrefillParams pp;
   pp.fwd = pre.fwd_params(po.o, &po.lse);
   pp.fwd.backend = Backend::oracle;
+  pp.fwd.num_threads = 1;
   pp.cache = cache;
   EXPECT_TRUE(path_attn_prefill(pp).ok());
   r.pre_o = po.o.to_f64();
@@ -286,6 +290,7 @@ DenseRun dense_reference(const Scenario& sc) {
     p.lse = out.lse.view();
     p.cache = cache;
     p.backend = Backend::oracle;
+    p.num_threads = 1;
     const Status st = path_attn_decode(p);
     EXPECT_TRUE(st.ok()) << st.message();
     r.o.push_back(out.o.to_f64());
@@ -313,7 +318,7 @@ PagedRun run_paged(const Scenario& sc, Paged& pc, Backend be, const DenseRun* re
   const int64_t N = int64_t(sc.prompt.size()), HQ = s.HQ, V = s.V;
   PagedRun r;
   Outs po(1, sc.pre.spec.T, HQ, V, s.dtype);
-  r.status = paged_prefill(sc.pre, pc, po, be);
+  r.status = paged_prefill(sc.pre, pc, po, be, nullptr, num_threads);
   if (!r.status.ok()) return r;
   if (ref) r.pre_err = max_rel(po.o.to_f64(), ref->pre_o);
   for (int64_t t0 = 0; t0 < sc.steps; t0 += chunk) {
@@ -411,7 +416,7 @@ TEST_P(PagedEqualsDense, EveryStep) {
   const int64_t C = *std::max_element(prompt.begin(), prompt.end()) + steps;
   Paged pc = Paged::make(s, 3, d.page, (C + d.page - 1) / d.page, d.S, d.kdt, seed, 3);
   const Backend be = seed % 2 ? Backend::cpu : Backend::oracle;
-  const PagedRun r = run_paged(sc, pc, be, &ref);
+  const PagedRun r = run_paged(sc, pc, be, &ref, 1, /*num_threads=*/1);
   ASSERT_TRUE(r.status.ok()) << r.status.message();
   EXPECT_TRUE(r.finite && r.guards);
   for (int64_t n = 0; n < 3; ++n) {
