@@ -12,8 +12,8 @@ inline constexpr int kPagedMaxPending = 64;
 
 // A paged cache for N request slots. Keys and values live in pages of a pool shared by the slots; slot n's
 // token j sits in page block_table[n, j / page] at row j % page. Layouts follow vLLM / FlashInfer (NHD).
-//   k_pages     [P, page, H, K]   f16 (or f32): slot n's token j < flushed[n] holds kc_j = H_m ... H_{j+1} k_j,
-//                                 its key transported to the slot's flush point m = flushed[n]; rows j >= m are
+//   k_pages     [P, page, H, K]   f16 (or f32): slot n's token j < m = flushed[n] holds kc_j = H_{m-1} ... H_{j+1} k_j,
+//                                 its key transported to the slot's flush point; rows j >= m are
 //                                 not read (their keys wait in the pending buffer)
 //   v_pages     [P, page, H, V]   the dtype of v: the values as given (never transported)
 //   g_pages     [P, page, HQ]     f64, iff the gate: G_j, the inclusive gate cumsum of the slot's sequence
@@ -27,7 +27,7 @@ inline constexpr int kPagedMaxPending = 64;
 // Every view is on one device: the CUDA backend's on the GPU (the metadata too: a step reads and writes it there,
 // no host copy), the CPU backends' in host memory. Pages may be shared between slots only while no step writes
 // them (a flush rewrites every key page of its slot).
-// Why lazy: q_i . (H_i ... H_{j+1} k_j) = (H_{m+1} ... H_i q_i) . kc_j for j <= m (every H_t is symmetric), so a
+// Why lazy: q_i . (H_i ... H_{j+1} k_j) = (H_m ... H_i q_i) . kc_j for j < m (every H_t is symmetric), so a
 // step carries its query back across the pending factors instead of every key forward, and once S tokens are
 // pending the next step first applies their S factors to the slot's keys at once (a flush: one read and write of
 // the slot's keys every S steps instead of every step). Keys are rounded to the page dtype once a flush.
