@@ -79,7 +79,7 @@ configure_build() {
     -DPATHATTN_CUDA_GENCODE="$gencode" > /dev/null && cmake --build "$dir" -j "$(nproc)" --target "$@"
 }
 if [ "$PYONLY" = 0 ] && [ ! -x "$BUILD/tests/cuda/test_cuda" ] && [ ! -x "$BUILD/test_cuda" ]; then
-  configure_build "$BUILD" "-gencode=arch=compute_90a,code=sm_90a" test_cuda pathattn_capi || exit 1
+  configure_build "$BUILD" "-gencode=arch=compute_90a,code=sm_90a" test_cuda test_cuda_paged pathattn_capi || exit 1
 fi
 TEST=$BUILD/tests/cuda/test_cuda
 [ -x "$TEST" ] || TEST=$BUILD/test_cuda
@@ -88,6 +88,9 @@ CAPI=$BUILD/libpathattn_capi.so
 if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
   echo "== GPU tests"
   "$TEST" --gtest_color=no 2>&1 | tee "$OUTDIR/test_cuda.log" | grep -E "^\[(acc|race|long|soak)\]|OK \]|FAILED|PASSED|SKIPPED|Failure|error|Expected|Which is|actual" || true
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== paged decode cache"
+  "$BUILD/tests/cuda/test_cuda_paged" --gtest_color=no 2>&1 | tee "$OUTDIR/test_cuda_paged.log" | grep -E "^\[paged|OK \]|FAILED|PASSED|SKIPPED|Failure|Expected|Which is|actual" || true
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if command -v compute-sanitizer > /dev/null; then
     echo "== compute-sanitizer memcheck / racecheck (small cases)"

@@ -76,8 +76,9 @@ sanitizer_tests() {
 cuda_build() {
   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPATHATTN_CUDA=ON -DPATHATTN_BUILD_APPS=OFF \
     -DCMAKE_CUDA_COMPILER="$nvcc"
-  cmake --build build-cuda -j "$jobs" --target test_cuda pathattn_capi
+  cmake --build build-cuda -j "$jobs" --target test_cuda test_cuda_paged pathattn_capi
   ./build-cuda/tests/cuda/test_cuda --gtest_brief=1
+  ./build-cuda/tests/cuda/test_cuda_paged --gtest_brief=1
 }
 
 fuzzer_usable() {
