@@ -460,10 +460,10 @@ def generate_with(m, ids, mask, cache, steps):
 
 
 # Bars on the logits of generate() with the paged cache against the PathCache (relative L2 over every step). f32 key
-# pages: fp32 arithmetic throughout in another order (lazy transport), measured 5.9e-7 .. 7.2e-7; the bar leaves
+# pages: fp32 arithmetic throughout in another order (lazy transport), measured 6.2e-7 .. 6.8e-7; the bar leaves
 # 7x. f16 key pages: each flush rounds every cached key to f16 (unit roundoff u = 2^-11 = 4.9e-4), which moves each
 # layer's attention output by a fraction of u (test_paged.py: 1.4e-4 .. 3.6e-4); the two layers' errors reach the
-# logits through the residual stream with a gain of order one: measured 4.3e-4 .. 7.5e-4 (about u); the bar is 4u,
+# logits through the residual stream with a gain of order one: measured 4.0e-4 .. 7.5e-4 (about u); the bar is 4u,
 # test_paged.py's bar on the attention outputs.
 PAGED_LOGITS_BAR = {torch.float32: 5e-6, torch.float16: 2e-3}
 
