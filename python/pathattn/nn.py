@@ -136,9 +136,16 @@ def w_conv_norm(x, weight=None, bias=None, *, head_dim, cu_seqlens=None, activat
 
 @dataclass
 class PaTHAttentionState:
-    """Inference state of one PaTHAttention layer: the w convolution's last inputs and the PaTH cache."""
+    """Inference state of one PaTHAttention layer: the w convolution's last inputs and the PaTH cache.
+
+    step() works with any state that has conv_state and attend() (pathattn.models keeps dense and paged ones)."""
     conv_state: Optional[torch.Tensor]  # [N, kv_dim, conv_size - 1] or None without the convolution
     cache: _decode.PathCache
+
+    def attend(self, q, k, v, w, beta, g):
+        """One token per sequence on the cache (pathattn.decode_step): q [N,1,HQ,K], k [N,1,H,K], v [N,1,H,V],
+        w [N,1,H,K] unit rows, beta [N,1,H], g [N,1,HQ] or None -> o [N,1,HQ,V]."""
+        return _decode.decode_step(self.cache, q, k, v, w, beta, g)
 
 
 class PaTHAttention(nn.Module):
@@ -287,6 +294,18 @@ class PaTHAttention(nn.Module):
         attention_mask [B, T] (0 = padding, any side) or cu_seqlens (B == 1, packed) give each sequence's
         tokens; sequence n becomes slot n of the state, advanced by step().
         """
+        def path_state(q, k, v, w, beta, g, cu_seqlens, conv_state):
+            o, cache = _decode.prefill(q, k, v, w, beta, g, cu_seqlens=cu_seqlens, capacity=capacity,
+                                       backend=self.backend)
+            return o, PaTHAttentionState(conv_state, cache)
+
+        return self._prefill_with(path_state, hidden_states, attention_mask, cu_seqlens)
+
+    @torch.no_grad()
+    def _prefill_with(self, make_state, hidden_states, attention_mask=None, cu_seqlens=None):
+        """prefill() with the cache made by make_state(q, k, v, w, beta, g, cu_seqlens, conv_state) -> (o, state):
+        q [B', T', HQ, K] ... as the op takes them (w prepared; B' = 1 and packed by cu_seqlens where a mask was
+        given), conv_state [N, kv_dim, W-1] or None; o [B', T', HQ, V]. Returns (y [B, T, hidden], state)."""
         B, T, _ = hidden_states.shape
         idx = None
         if attention_mask is not None:
@@ -299,20 +318,19 @@ class PaTHAttention(nn.Module):
         q, k, v, w, beta, g = self._project(x)
         # The convolution's state for step(); w itself exactly as the training forward makes it.
         conv_state = self.w_conv1d.final_state(w, cu_seqlens=cu_seqlens) if self.use_w_shortconv else None
-        o, cache = _decode.prefill(q, k, v, self._prepare_w(w, cu_seqlens), beta, g, cu_seqlens=cu_seqlens,
-                                   capacity=capacity, backend=self.backend)
+        o, state = make_state(q, k, v, self._prepare_w(w, cu_seqlens), beta, g, cu_seqlens, conv_state)
         y = self._out(o)
         if idx is not None:
             y = self._pad(y, idx, B, T)
-        return y, PaTHAttentionState(conv_state, cache)
+        return y, state
 
     @torch.no_grad()
     def step(self, hidden_states, state):
-        """One token per sequence: hidden_states [N, 1, hidden] -> [N, 1, hidden]; advances `state`."""
+        """One token per sequence: hidden_states [N, 1, hidden] -> [N, 1, hidden]; advances `state` (its
+        convolution state here, its cache by state.attend)."""
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
             raise ValueError(f"hidden_states: expected [N, 1, hidden] for a decode step, got {list(hidden_states.shape)}")
         q, k, v, w, beta, g = self._project(hidden_states)
         if self.use_w_shortconv:
             w, state.conv_state = self.w_conv1d(w, cache=state.conv_state, output_final_state=True)
-        o = _decode.decode_step(state.cache, q, k, v, self._w_heads(w), beta, g)
-        return self._out(o)
+        return self._out(state.attend(q, k, v, self._w_heads(w), beta, g))

@@ -18,6 +18,26 @@ def rel_l2(a, b):
     return float(na / nb) if nb > 0 else float(na)
 
 
+def same_greedy_tokens(got, want, ref, prompt_len, tie_rel):
+    """Checks generate()'s greedy tokens got against want (torch sequences [B, prompt_len + steps]): equal, except
+    at a step where the reference's logits ref [B, steps, vocab] put their two best closer than tie_rel times the
+    step's largest |logit| (a tie that either run's rounding may tip). A row is compared up to its first differing
+    token. Returns the [B, steps] bool mask of the steps whose context both runs share (their logits compare)."""
+    B, steps = ref.shape[:2]
+    same = ref.new_ones((B, steps), dtype=bool)
+    for n in range(B):
+        differ = (got[n, prompt_len:] != want[n, prompt_len:]).nonzero()
+        if len(differ):
+            t = int(differ[0])
+            top = ref[n, t].topk(2).values
+            tie = tie_rel * float(ref[n, t].abs().max())
+            print(f"[greedy tokens] row {n} differs at step {t}: the reference's margin {float(top[0] - top[1]):.2e}, "
+                  f"a tie below {tie:.2e}")
+            assert float(top[0] - top[1]) < tie, f"row {n}, step {t}: tokens differ where the reference is no tie"
+            same[n, t + 1:] = False
+    return same
+
+
 def require_backend(name):
     """Skips the calling test while `name` reports BackendUnavailableError (not built or not written yet)."""
     if not pathattn.backend_available(name):

@@ -1,6 +1,7 @@
 """GPU tests (skipped without a CUDA device and a CUDA build): parity with flash-linear-attention itself
 (op outputs and every gradient; an fla PaTHAttention layer's state_dict loaded into ours), opcheck and
-torch.compile on CUDA tensors, decode on the GPU, zero-copy of CUDA tensors.
+torch.compile on CUDA tensors, decode on the GPU (the models' generate() with the paged cache too), zero-copy of
+CUDA tensors.
 
 Bars (issue 4): relative L2 <= 5e-3 on o and <= 2e-2 on every gradient against fla's parallel_path_attn
 (bf16, T = 2048, K = 128, GQA 4:1, gate on); the loaded layer's output within 5e-3 of fla's.
@@ -10,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pathattn  # noqa: E402
-from conftest import rel_l2  # noqa: E402
+from conftest import rel_l2, same_greedy_tokens  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and pathattn.backend_available("cuda")),
                                 reason="needs a CUDA device and a pathattn build with the CUDA backend")
@@ -376,6 +377,57 @@ def test_model_decode_on_cuda_equals_forward(dense):
     e = rl2(torch.cat(parts, 1), ref)
     print(f"[model decode cuda] dense={dense}: logits rel L2 {e:.2e}")
     assert e <= 1e-2
+
+
+# Bars of the paged cache's generate() against the PathCache's, in units of the model dtype's unit roundoff u
+# (bf16 2^-8, fp16 2^-11): every activation of either run is rounded to it, so two runs whose attention differs by
+# anything (here the f16 rounding of the keys) differ in their logits by a few u. Measured with this model on the
+# CPU backend (48 steps): bf16 9.1e-3 .. 9.4e-3 (2.4u), fp16 1.35e-3 .. 1.48e-3 (3.0u); the bar is 5u.
+GENERATE_BAR = {torch.bfloat16: 5 * 2.0 ** -8, torch.float16: 5 * 2.0 ** -11}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate", [False, True])
+def test_model_generate_paged_on_cuda(gate, dtype):
+    """generate() on the GPU with the paged cache (f16 key pages, pending 8: a flush every 8 steps; pages of 16)
+    against the PathCache: three left-padded prompts (150, 37 and 90 tokens), 48 new tokens. The same greedy
+    tokens, but at ties closer than twice the bar times the step's largest |logit| (bf16 logits tie often: their
+    spacing is 2^-8 of their size); logits within GENERATE_BAR where the contexts agree. PaTHCache() on CUDA is
+    paged (the default)."""
+    pytest.importorskip("transformers")
+    from pathattn.models import PagedAttentionState, PaTHCache, PaTHConfig, PaTHForCausalLM
+
+    torch.manual_seed(0)
+    cfg = PaTHConfig(hidden_size=512, num_hidden_layers=2, num_heads=8, num_kv_heads=2, use_forget_gate=gate,
+                     vocab_size=1000, initializer_range=0.05)
+    m = perturbed(PaTHForCausalLM(cfg), 4).to(dtype)
+    lens, steps = [150, 37, 90], 48
+    T = max(lens)
+    ids = torch.zeros(3, T, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, L in enumerate(lens):
+        ids[i, T - L:] = torch.randint(3, 1000, (L,), device="cuda")
+        mask[i, T - L:] = 1
+
+    def generate(cache):
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.logits, 1).float()
+
+    default, path, paged = PaTHCache(), PaTHCache(paged=False), PaTHCache(paged=True, pending=8)
+    generate(default)
+    want, ref = generate(path)
+    got, logits = generate(paged)
+    assert all(isinstance(s, PagedAttentionState) for s in default.layers + paged.layers)
+    assert not any(isinstance(s, PagedAttentionState) for s in path.layers)
+    bar = GENERATE_BAR[dtype]
+    same = same_greedy_tokens(got, want, ref, T, 2 * bar)
+    e = rl2(logits[same], ref[same])
+    flushed = paged.layers[0].cache.flushed.tolist()
+    print(f"[model generate cuda] {dtype}, gate={gate}: paged vs PathCache tokens equal {torch.equal(got, want)}, "
+          f"logits rel L2 {e:.2e} (bar {bar:.2e}); flushed {flushed}")
+    assert e <= bar
+    assert all(f - L >= 40 for f, L in zip(flushed, lens))  # five flushes or more since each prompt
 
 
 # -- the w preparation op (pathattn.nn.w_conv_norm) on the device against the CPU backend ------------------------------

@@ -1,8 +1,9 @@
 """pathattn.models on the CPU (skipped without transformers): the config's keys and round trip, the Auto
 classes, flash-linear-attention's state_dict names and shapes, the forward against a hand-built stack of
 pathattn.nn layers, training (loss, gradient checkpointing), generate() against a full-recompute argmax
-loop (PathCache, the dense fallback, padding, beam search), decode logits against the forward, and
-save / load round trips. The checkpoint exchange with fla's own classes needs a GPU: test_gpu.py."""
+loop (PathCache, the dense fallback, the paged cache, padding, beam search), decode logits against the forward,
+the paged cache against the PathCache (tokens and logits, its pages growing), and save / load round trips. The
+checkpoint exchange with fla's own classes needs a GPU: test_gpu.py."""
 import json
 
 import pytest
@@ -14,9 +15,10 @@ import torch.nn.functional as F  # noqa: E402
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import pathattn  # noqa: E402
-from pathattn.models import (DenseAttentionState, PaTHCache, PaTHConfig, PaTHForCausalLM, PaTHModel,  # noqa: E402
-                             register_auto_classes)
-from pathattn.nn import PaTHAttention  # noqa: E402
+from pathattn.models import (DenseAttentionState, PagedAttentionState, PaTHCache, PaTHConfig,  # noqa: E402
+                             PaTHForCausalLM, PaTHModel, register_auto_classes)
+from pathattn.nn import PaTHAttention, PaTHAttentionState  # noqa: E402
+from conftest import rel_l2, same_greedy_tokens  # noqa: E402
 
 VOCAB = 61
 
@@ -324,17 +326,22 @@ def argmax_loop(m, ids, steps):
     return ids
 
 
+# The cache kinds PaTHCache makes: the CPU default (the PathCache), the dense fallback, the paged cache (f32 key
+# pages: the fp32 accuracy of the others; test_generate_paged_equals_path_cache takes f16 ones).
+KINDS = {"path": (dict(), PaTHAttentionState), "dense": (dict(dense=True), DenseAttentionState),
+         "paged": (dict(paged=True, page_size=4, pending=4, key_dtype=torch.float32), PagedAttentionState)}
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dense", [False, True])
-def test_generate_greedy_equals_argmax_loop(name, dense):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_generate_greedy_equals_argmax_loop(name, kind):
     m = make_model(**CONFIGS[name])
     ids = torch.randint(3, VOCAB, (2, 7))
-    kw = dict(past_key_values=PaTHCache(dense=True)) if dense else {}
+    cache = PaTHCache(**KINDS[kind][0])
     got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False,
-                     eos_token_id=None, pad_token_id=0, **kw)
+                     eos_token_id=None, pad_token_id=0, past_key_values=cache)
     assert torch.equal(got, argmax_loop(m, ids, 9))
-    if dense:
-        assert all(isinstance(s, DenseAttentionState) for s in kw["past_key_values"].layers)
+    assert all(type(s) is KINDS[kind][1] for s in cache.layers), cache
 
 
 def test_sampling_with_cache_equals_without():
@@ -367,6 +374,18 @@ def test_beam_search_with_cache_equals_without():
     assert torch.equal(m.generate(ids, **kw), m.generate(ids, use_cache=False, **kw))
 
 
+def test_beam_search_with_paged_cache_equals_without():
+    # 12 tokens at pending 4: the beams' slots are copied (reorder_cache) with tokens pending and after flushes.
+    m = make_model(**CONFIGS["gqa_gate"])
+    ids = torch.randint(3, VOCAB, (2, 6))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, num_beams=3, do_sample=False,
+              eos_token_id=None, pad_token_id=0)
+    cache = PaTHCache(paged=True, page_size=4, pending=4, key_dtype=torch.float32)
+    got = m.generate(ids, past_key_values=cache, **kw)
+    assert all(isinstance(s, PagedAttentionState) for s in cache.layers)
+    assert torch.equal(got, m.generate(ids, use_cache=False, **kw))
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_decode_logits_equal_forward(name):
     """Prompt through the cache, then one token at a time (and a 3-token chunk): the logits of one forward."""
@@ -374,17 +393,17 @@ def test_decode_logits_equal_forward(name):
     ids = torch.randint(0, VOCAB, (2, 15))
     with torch.no_grad():
         ref = m(ids, use_cache=False).logits
-        for dense in (False, True):
-            cache = PaTHCache(dense=dense)
+        for kind in ("path", "dense", "paged"):
+            opts, state_type = KINDS[kind]
+            cache = PaTHCache(**opts)
             parts = [m(ids[:, :8], cache=cache, use_cache=True).logits]
             for t in range(8, 12):
                 parts.append(m(ids[:, t:t + 1], cache=cache).logits)
             parts.append(m(ids[:, 12:], cache=cache).logits)
             got = torch.cat(parts, dim=1)
             assert cache.get_seq_length() == 15
-            kinds = {type(s) for s in cache.layers}
-            assert (kinds == {DenseAttentionState}) == dense
-            assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (dense, (got - ref).abs().max())
+            assert all(type(s) is state_type for s in cache.layers), cache
+            assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (kind, (got - ref).abs().max())
 
 
 def test_decode_falls_back_to_dense_when_the_backend_refuses(monkeypatch):
@@ -412,6 +431,106 @@ def test_cache_errors_name_the_argument():
         PaTHCache().crop(2)
     with pytest.raises(ValueError, match="output_attentions"):
         m(ids, output_attentions=True)
+    for kw, err, arg in ((dict(dense=True, paged=True), ValueError, "paged"), (dict(paged=1), TypeError, "paged"),
+                         (dict(dense=None), TypeError, "dense"), (dict(page_size=0), ValueError, "page_size"),
+                         (dict(pending=pathattn.PAGED_MAX_PENDING + 1), ValueError, "pending"),
+                         (dict(key_dtype=torch.bfloat16), TypeError, "key_dtype"),
+                         (dict(max_length=-1), ValueError, "max_length")):
+        with pytest.raises(err, match=arg):
+            PaTHCache(**kw)
+
+
+# -- the paged cache ------------------------------------------------------------------------------------------
+
+def padded_prompts(lens):
+    """Random prompts of the given lengths, left-padded into one batch: (ids [B, T], attention_mask [B, T])."""
+    T = max(lens)
+    ids = torch.zeros(len(lens), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, L in enumerate(lens):
+        ids[i, T - L:] = torch.randint(3, VOCAB, (L,))
+        mask[i, T - L:] = 1
+    return ids, mask
+
+
+def generate_with(m, ids, mask, cache, steps):
+    out = m.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                     pad_token_id=0, past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)  # [B, T + steps], [B, steps, vocab]
+
+
+# Bars on the logits of generate() with the paged cache against the PathCache (relative L2 over every step). f32 key
+# pages: fp32 arithmetic throughout in another order (lazy transport), measured 6.2e-7 .. 6.8e-7; the bar leaves
+# 7x. f16 key pages: each flush rounds every cached key to f16 (unit roundoff u = 2^-11 = 4.9e-4), which moves each
+# layer's attention output by a fraction of u (test_paged.py: 1.4e-4 .. 3.6e-4); the two layers' errors reach the
+# logits through the residual stream with a gain of order one: measured 4.0e-4 .. 7.5e-4 (about u); the bar is 4u,
+# test_paged.py's bar on the attention outputs.
+PAGED_LOGITS_BAR = {torch.float32: 5e-6, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("key_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_paged_equals_path_cache(name, key_dtype):
+    """Three left-padded prompts, 16 new tokens at pending 4 (flushes at every fourth step, a different token for
+    each prompt) and pages of 4: the paged cache gives the PathCache's greedy tokens, logits within the bar.
+
+    Every token equal, but where the PathCache's two best logits are closer than twice the bar times the step's
+    largest |logit| (f16 pages: 4e-3 of it; f32: 1e-5): a tie that rounding may tip either way. A row is compared
+    up to its first differing token (the contexts differ after it)."""
+    m = make_model(**CONFIGS[name])
+    lens, steps, pending = [9, 4, 13], 16, 4
+    ids, mask = padded_prompts(lens)
+    T, bar = ids.shape[1], PAGED_LOGITS_BAR[key_dtype]
+    path = PaTHCache()
+    want, ref = generate_with(m, ids, mask, path, steps)
+    assert all(type(s) is PaTHAttentionState for s in path.layers)  # the CPU default
+    cache = PaTHCache(paged=True, page_size=4, pending=pending, key_dtype=key_dtype)
+    got, logits = generate_with(m, ids, mask, cache, steps)
+    same = same_greedy_tokens(got, want, ref, T, 2 * bar)
+    e = rel_l2(logits[same].numpy(), ref[same].numpy())
+    print(f"[paged generate] {name}, key pages {key_dtype}: logits rel L2 vs PathCache {e:.2e}, tokens equal "
+          f"{torch.equal(got, want)}")
+    assert e < bar
+    assert cache.max_length == T + steps - 1  # told by generate(): every page taken at the prompt
+    for st in cache.layers:
+        assert isinstance(st, PagedAttentionState) and st.cache.k_pages.dtype == key_dtype
+        fed = [L + steps - 1 for L in lens]  # the last new token is never fed back
+        assert st.lengths.tolist() == st.cache.host_lengths().tolist() == fed
+        assert [st.cache.capacity(n) for n in range(3)] == [-(-L // 4) * 4 for L in fed]
+        flushed = st.cache.flushed.tolist()  # at least three flushes since each prompt
+        assert all(L - pending <= f <= L and f - L0 >= 3 * pending for f, L, L0 in zip(flushed, fed, lens)), flushed
+
+
+def test_paged_cache_grows_past_its_pages():
+    """A left-padded batch decoded through forward() beyond the cache's max_length: the shorter slot takes pages as
+    tokens come (reserve), then the block table of both widens (a copy of the pool); logits equal the forward's."""
+    m = make_model(**CONFIGS["gqa_gate"])
+    ids, mask = padded_prompts([8, 5])
+    ids = torch.cat([ids, torch.randint(3, VOCAB, (2, 12))], dim=1)
+    mask = torch.cat([mask, torch.ones(2, 12, dtype=torch.long)], dim=1)
+    cache = PaTHCache(paged=True, page_size=2, pending=3, key_dtype=torch.float32, max_length=9)
+    with torch.no_grad():
+        ref = m(ids, attention_mask=mask, use_cache=False).logits
+        parts = [m(ids[:, :8], attention_mask=mask[:, :8], cache=cache, use_cache=True).logits]
+        st = cache.layers[0]
+        assert st.cache.max_pages == 5 and [st.cache.capacity(n) for n in range(2)] == [10, 6]
+        parts += [m(ids[:, t:t + 1], cache=cache).logits for t in range(8, 20)]
+    got = torch.cat(parts, dim=1)
+    st = cache.layers[0]
+    assert st.lengths.tolist() == st.cache.host_lengths().tolist() == [20, 17]
+    assert st.cache.max_pages >= 10 and st.cache.capacity(0) >= 20 and st.cache.capacity(1) >= 17
+    valid = mask.bool()
+    assert torch.allclose(got[valid], ref[valid], rtol=1e-4, atol=1e-4), (got - ref)[valid].abs().max()
+
+
+def test_paged_cache_leaves_float64_layers_to_the_path_cache():
+    m = make_model(**CONFIGS["mha"]).double()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    cache = PaTHCache(paged=True)
+    got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                     eos_token_id=None, pad_token_id=0, past_key_values=cache)
+    assert all(type(s) is PaTHAttentionState for s in cache.layers)  # the paged cache holds no float64
+    assert torch.equal(got, argmax_loop(m, ids, 4))
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .cache import DenseAttentionState, PaTHCache
+from .cache import DenseAttentionState, PagedAttentionState, PaTHCache
 from .configuration import PaTHConfig
 from .modeling import PaTHBlock, PaTHForCausalLM, PaTHModel, PaTHPreTrainedModel
 
@@ -34,6 +34,6 @@ def register_auto_classes():
 
 register_auto_classes()
 
-__all__ = ["DenseAttentionState", "PaTHAttentionConfig", "PaTHAttentionForCausalLM", "PaTHAttentionModel",
-           "PaTHBlock", "PaTHCache", "PaTHConfig", "PaTHForCausalLM", "PaTHModel", "PaTHPreTrainedModel",
-           "register_auto_classes"]
+__all__ = ["DenseAttentionState", "PagedAttentionState", "PaTHAttentionConfig", "PaTHAttentionForCausalLM",
+           "PaTHAttentionModel", "PaTHBlock", "PaTHCache", "PaTHConfig", "PaTHForCausalLM", "PaTHModel",
+           "PaTHPreTrainedModel", "register_auto_classes"]

@@ -1,20 +1,36 @@
 """PaTHCache: the generation state of a PaTH language model, one entry per layer.
 
-Each layer's entry is a pathattn.nn.PaTHAttentionState (the PathCache of pathattn.decode, stepped by the
-op's decode backend) or, as the fallback, a DenseAttentionState: the same transported keys, values and gate
-sums as plain torch tensors, stepped with torch operations (the rank-one key update and a masked softmax).
-A layer moves to the dense form when the decode backend refuses a step (UnsupportedError or
-BackendUnavailableError, e.g. more cached tokens than the CUDA decode handles), or from the start when the
-cache is made with PaTHCache(dense=True).
+Each layer's entry is one of:
+- a pathattn.nn.PaTHAttentionState: the dense fp32 PathCache of pathattn.decode, stepped by the op's decode
+  backend (the default on the CPU);
+- a PagedAttentionState: a pathattn.PagedCache whose slots are the batch's sequences, keys transported lazily and
+  stored in float16 pages (the default on CUDA; docs/design.md, "The paged decode cache");
+- a DenseAttentionState, the fallback: the PathCache's transported keys, values and gate sums as plain torch
+  tensors, stepped with torch operations (the rank-one key update and a masked softmax). A PathCache layer moves
+  to it when the decode backend refuses a step (UnsupportedError or BackendUnavailableError, e.g. more cached
+  tokens than the CUDA decode handles), or from the start when the cache is made with PaTHCache(dense=True).
+Every kind keeps the layer's short convolution state (conv_state) and is stepped by PaTHAttention.step.
 """
 import math
+import numbers
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .._pathattn import BackendUnavailableError, UnsupportedError
 from ..nn import PaTHAttentionState
+from ..paged import PAGED_MAX_PENDING, PagedCache, paged_decode, paged_prefill
+
+# Whether PaTHCache(paged=None), the default, keeps the layers of a model on CUDA in paged form (the PathCache when
+# off; PaTHCache's docstring says why). CPU layers keep the PathCache either way.
+PAGED_ON_CUDA = True
+
+# Room (tokens beyond the prompt) a paged layer's block table is made for when no max_length is known, as the
+# PathCache's default capacity; a step past it widens the table (a copy of the pool).
+PAGED_DEFAULT_ROOM = 256
 
 
 @dataclass
@@ -86,6 +102,8 @@ class DenseAttentionState:
         o = torch.einsum("nhc,nhcv->nhv", p, vr)
         return o[:, None].to(v.dtype)
 
+    attend = step  # the name PaTHAttention.step calls
+
     def reorder(self, idx):
         self.kc, self.vc, self.lengths = self.kc[idx], self.vc[idx], self.lengths[idx]
         if self.gc is not None:
@@ -94,16 +112,132 @@ class DenseAttentionState:
             self.conv_state = self.conv_state[idx]
 
 
-def dense_layer_step(attn, x, state):
-    """pathattn.nn.PaTHAttention.step with the cache held as a DenseAttentionState (x [N, 1, hidden])."""
-    q, k, v, w, beta, g = attn._project(x)
-    if attn.use_w_shortconv:
-        w, state.conv_state = attn.w_conv1d(w, cache=state.conv_state, output_final_state=True)
-    return attn._out(state.step(q, k, v, attn._w_heads(w), beta, g))
+def _pool_copy(cache, num_pages, max_pages):
+    """A PagedCache equal to `cache` (a torch one) with a pool of num_pages pages and a block table max_pages wide,
+    both at least as large: the pages keep their indices, so the rows, the metadata and the allocator's state carry
+    over (the new pages join the free list). Follows PagedCache.clone(); the old cache is not to be used after."""
+    P, M = cache.num_pages, cache.max_pages
+    c = PagedCache.__new__(PagedCache)
+    c.__dict__.update(cache.__dict__)
+    for name in ("k_pages", "v_pages", "g_pages"):
+        x = getattr(cache, name)
+        if x is not None:
+            y = x.new_zeros((num_pages,) + tuple(x.shape[1:]))
+            y[:P] = x
+            setattr(c, name, y)
+    c.block_table = cache.block_table.new_full((cache.num_slots, max_pages), -1)
+    c.block_table[:, :M] = cache.block_table
+    c._free = list(range(num_pages - 1, P - 1, -1)) + list(cache._free)
+    c._pages = [list(p) for p in cache._pages]
+    c._used = list(cache._used)
+    c._lock = threading.RLock()
+    return c
+
+
+def _slots_reordered(cache, idx):
+    """A PagedCache whose slot n is a copy of slot idx[n] of `cache` (beam search: a slot may be copied to several
+    slots, each then owning its own pages, since a flush rewrites its slot's pages in place)."""
+    src = [cache._pages[s] for s in idx]
+    total = sum(len(p) for p in src)
+    c = _pool_copy(cache, max(cache.num_pages, total), cache.max_pages)
+    # the pages of the new slots, in slot order from page 0; the old contents gathered into them
+    gather = torch.tensor([p for ps in src for p in ps], dtype=torch.long, device=cache.k_pages.device)
+    for name in ("k_pages", "v_pages", "g_pages"):
+        x = getattr(c, name)
+        if x is not None:
+            x[:total] = getattr(cache, name)[gather]
+    rows = torch.as_tensor(idx, dtype=torch.long, device=cache.lengths.device)
+    for name in ("lengths", "flushed", "pend_k", "pend_w", "pend_beta"):
+        x = getattr(cache, name)
+        if x is not None:
+            setattr(c, name, x[rows])
+    c._pages, first = [], 0
+    for ps in src:
+        c._pages.append(list(range(first, first + len(ps))))
+        first += len(ps)
+    c._used = [cache._used[s] for s in idx]
+    c._free = list(range(c.num_pages - 1, total - 1, -1))
+    table = np.full((c.num_slots, c.max_pages), -1, np.int32)
+    for n, ps in enumerate(c._pages):
+        table[n, :len(ps)] = ps
+    c.block_table = torch.from_numpy(table).to(cache.block_table.device)
+    return c
+
+
+class PagedAttentionState:
+    """One layer's decode state in a pathattn.PagedCache (N slots: slot n is sequence n of the batch).
+
+    conv_state [N, kv_dim, W-1] or None; cache: the PagedCache (float16 or float32 key pages, values in the model's
+    dtype, pool of N * cache.max_pages pages so that every slot can fill its block table row); lengths: the slots'
+    lengths as a host int64 array, kept here step by step so that a step reads nothing from the device (the first
+    step after the cache is made or copied validates its metadata; later steps pass validate=False).
+    """
+
+    def __init__(self, conv_state, cache, lengths):
+        self.conv_state = conv_state
+        self.cache = cache
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._new_cache()
+
+    def _new_cache(self):
+        """After the cache is made, copied or given pages: the slots' capacities (host), a validating next step."""
+        c = self.cache
+        self._capacity = np.array([c.capacity(s) for s in range(c.num_slots)], dtype=np.int64)
+        self._checked = False
+
+    @classmethod
+    def prefill(cls, q, k, v, w, beta, g, cu_seqlens, conv_state, *, extra, page_size, pending, key_dtype,
+                backend):
+        """Prompts into a new PagedCache (pathattn.paged_prefill): q [B, T, HQ, K], ... as the op takes them (B = 1
+        and cu_seqlens for sequences of different lengths). extra: new tokens to take pages for at once (None: none
+        yet, the block table sized for PAGED_DEFAULT_ROOM). Returns (o [B, T, HQ, V], state)."""
+        B, T, HQ, K = q.shape
+        H, V = k.shape[2], v.shape[3]
+        if cu_seqlens is None:
+            lens = [T] * B
+        else:
+            cu = [int(x) for x in cu_seqlens.tolist()]
+            lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        N = len(lens)
+        room = PAGED_DEFAULT_ROOM if extra is None else extra
+        max_pages = max(1, -(-(max(lens) + room) // page_size))
+        cache = PagedCache(N, N * max_pages, page_size, H, K, V, HQ, v.dtype, device=v.device, gate=g is not None,
+                           pending=pending, key_dtype=key_dtype, max_pages=max_pages, backend=backend)
+        o = paged_prefill(q, k, v, w, beta, g, cache, cu_seqlens=cu_seqlens, extra=extra or 0)
+        return o, cls(conv_state, cache, lens)
+
+    def attend(self, q, k, v, w, beta, g):
+        """T tokens per slot (pathattn.paged_decode; q [N, T, HQ, K] ...) -> o [N, T, HQ, V]. Takes pages first
+        where a slot's run out (reserve), and widens the block table where a row is full."""
+        n = q.shape[1]
+        need = self.lengths + n
+        short = np.nonzero(need > self._capacity)[0].tolist()
+        if short:
+            c = self.cache
+            if int(need.max()) > c.max_pages * c.page_size:  # a row is full: twice the width, a pool to fill it
+                width = max(2 * c.max_pages, -(-int(need.max()) // c.page_size))
+                self.cache = c = _pool_copy(c, c.num_slots * width, width)
+            c.reserve(short, n)  # reads the lengths (a copy from the device on CUDA): once a page at most
+            self._new_cache()
+        o = paged_decode(q, k, v, w, beta, g, self.cache, validate=not self._checked)
+        self._checked = True
+        self.lengths = need
+        return o
+
+    def reorder(self, idx):
+        idx = [int(i) for i in idx.tolist()]
+        self.cache = _slots_reordered(self.cache, idx)
+        self.lengths = self.lengths[idx]
+        if self.conv_state is not None:
+            self.conv_state = self.conv_state[torch.as_tensor(idx, device=self.conv_state.device)]
+        self._new_cache()
+
+    def __repr__(self):
+        return f"PagedAttentionState(lengths={self.lengths.tolist()}, cache={self.cache!r})"
 
 
 def layer_step(attn, x, state):
-    """One decode step of one layer; moves the layer to the dense form if the decode backend refuses it.
+    """One decode step of one layer; moves a PathCache layer to the dense form if the decode backend refuses it.
     Returns (y [N, 1, hidden], the layer's state, possibly a new object)."""
     if isinstance(state, PaTHAttentionState):
         conv = state.conv_state
@@ -112,22 +246,60 @@ def layer_step(attn, x, state):
         except (UnsupportedError, BackendUnavailableError):
             state.conv_state = conv  # the step failed before its cache write; undo its convolution update
             state = DenseAttentionState.from_path_state(state)
-    return dense_layer_step(attn, x, state), state
+    return attn.step(x, state), state
 
 
 class PaTHCache:
-    """Generation state of a PaTH model: per layer a PaTHAttentionState or a DenseAttentionState.
+    """Generation state of a PaTH model: per layer a PaTHAttentionState, a PagedAttentionState or a
+    DenseAttentionState.
 
-    Made empty by the model on its first forward with use_cache=True (or by the caller, PaTHCache(dense=True)
-    for the torch fallback everywhere), filled by the prompt's forward, advanced by each later forward.
-    get_seq_length() is the number of positions seen (padding included, as transformers counts them).
-    Beam search reorders it (reorder_cache); a transported key cannot be carried back, so it cannot be cropped.
+    PaTHCache(dense=False, paged=None, *, page_size=16, pending=64, key_dtype=torch.float16, max_length=None)
+
+    dense=True: the torch fallback everywhere (DenseAttentionState). paged: True, the PagedCache on every device;
+    False, the PathCache; None (default), the PagedCache for layers on CUDA (PAGED_ON_CUDA) and the PathCache on the
+    CPU. page_size, pending (the tokens a slot keeps untransported, a flush every `pending` steps; 1 ..
+    PAGED_MAX_PENDING) and key_dtype (torch.float16 or torch.float32) shape the paged layers. A layer the paged
+    cache cannot take (a float64 model, or a dtype / head dim its backend refuses) keeps the PathCache.
+    max_length: the most positions the cache will reach (generate() sets it: prompt plus new tokens), so that a
+    paged layer takes its pages at the prompt; without it they are taken as tokens come.
+
+    Why paged on CUDA and dense on the CPU: the paged layer keeps keys in float16 pages and values in the model's
+    16-bit dtype (the PathCache holds both in float32: half the bytes or less), and its step reads the cached keys
+    once and rewrites them once every `pending` steps where the PathCache's step reads and rewrites them every step
+    (docs/design.md, "The paged decode cache"). The price is the rounding of the keys to float16 at each flush: a
+    relative error of 1e-4 .. 4e-4 in each layer's attention output (test_paged.py), a tenth of one bf16 rounding;
+    greedy tokens then differ from the PathCache's only at near-ties (test_models.py; test_gpu.py on CUDA). On the CPU,
+    where a model is mostly checked rather than served, the fp32 PathCache stays the default: its logits equal the
+    model's forward to fp32 rounding. float32 key pages (key_dtype=torch.float32) are as exact.
+
+    Made empty by the model on its first forward with use_cache=True (or by generate(), or by the caller), filled
+    by the prompt's forward, advanced by each later forward. get_seq_length() is the number of positions seen
+    (padding included, as transformers counts them). Beam search reorders it (reorder_cache); a transported key
+    cannot be carried back, so it cannot be cropped.
     """
 
     is_compileable = False
 
-    def __init__(self, dense=False):
-        self.dense = bool(dense)
+    def __init__(self, dense=False, paged=None, *, page_size=16, pending=64, key_dtype=torch.float16,
+                 max_length=None):
+        if not isinstance(dense, bool):
+            raise TypeError(f"dense: expected a bool, got {type(dense).__name__}")
+        if paged is not None and not isinstance(paged, bool):
+            raise TypeError(f"paged: expected True, False or None, got {type(paged).__name__}")
+        if dense and paged:
+            raise ValueError("paged: dense=True and paged=True ask for two kinds of cache; give one")
+        for name, x, hi in (("page_size", page_size, 1 << 20), ("pending", pending, PAGED_MAX_PENDING)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 1 <= x <= hi:
+                raise ValueError(f"{name}: expected an int in [1, {hi}], got {x!r}")
+        if key_dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"key_dtype: expected torch.float16 or torch.float32, got {key_dtype!r}")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)
+                                       or max_length < 0):
+            raise ValueError(f"max_length: expected a non-negative int or None, got {max_length!r}")
+        self.dense = dense
+        self.paged = paged
+        self.page_size, self.pending, self.key_dtype = int(page_size), int(pending), key_dtype
+        self.max_length = None if max_length is None else int(max_length)
         self.layers = []
         self._seen = 0
 
@@ -136,6 +308,30 @@ class PaTHCache:
 
     def __getitem__(self, i):
         return self.layers[i] if i < len(self.layers) else None
+
+    def _paged_for(self, x):
+        """Whether a layer prefilled from x (the prompt's hidden states) takes the paged form."""
+        if self.dense or x.dtype == torch.float64:  # the paged cache holds no float64
+            return False
+        if self.paged is None:
+            return PAGED_ON_CUDA and x.device.type == "cuda"
+        return self.paged
+
+    def prefill_layer(self, attn, x, attention_mask=None, cu_seqlens=None):
+        """The prompt's pass through one layer (attn: a pathattn.nn.PaTHAttention; x [B, T, hidden], mask or
+        cu_seqlens as its prefill takes them) -> (y [B, T, hidden], the layer's state in this cache's kind)."""
+        if self._paged_for(x):
+            extra = None if self.max_length is None else max(self.max_length - self._seen - x.shape[1], 0)
+
+            def paged_state(q, k, v, w, beta, g, cu, conv_state):
+                return PagedAttentionState.prefill(q, k, v, w, beta, g, cu, conv_state, extra=extra,
+                                                   page_size=self.page_size, pending=self.pending,
+                                                   key_dtype=self.key_dtype, backend=attn.backend)
+            try:
+                return attn._prefill_with(paged_state, x, attention_mask, cu_seqlens)
+            except (UnsupportedError, BackendUnavailableError):
+                pass  # the backend refuses these inputs in paged form: the PathCache below
+        return attn.prefill(x, attention_mask=attention_mask, cu_seqlens=cu_seqlens)
 
     def set_layer(self, i, state):
         """Stores layer i's state (a prompt's state becomes dense here when the cache is dense)."""
@@ -159,6 +355,8 @@ class PaTHCache:
         for st in self.layers:
             if isinstance(st, DenseAttentionState):
                 st.reorder(beam_idx.to(st.kc.device))
+            elif isinstance(st, PagedAttentionState):
+                st.reorder(beam_idx)
             elif st is not None:
                 c = st.cache
                 idx = beam_idx.to(c.kc.device)
@@ -174,5 +372,6 @@ class PaTHCache:
                                   "be carried back; decoding strategies that roll back the cache are not supported")
 
     def __repr__(self):
-        kinds = ["dense" if isinstance(s, DenseAttentionState) else "path" for s in self.layers]
+        kinds = ["dense" if isinstance(s, DenseAttentionState) else "paged" if isinstance(s, PagedAttentionState)
+                 else "path" for s in self.layers]
         return f"PaTHCache(seen={self._seen}, layers={kinds})"

@@ -2,7 +2,8 @@
 with flash-linear-attention's module names (model.embeddings, model.layers.N.{attn_norm, attn, mlp_norm,
 mlp.{gate_proj, up_proj, down_proj}}, model.norm, lm_head), so its state_dicts load strictly either way.
 Training (padding masks, packed cu_seqlens, gradient checkpointing) runs the op's forward and backward;
-generate() prefills a PaTHCache and decodes one token per step (pathattn.models.cache).
+generate() prefills a PaTHCache (fp32 PathCache or paged layers) and decodes one token per step
+(pathattn.models.cache).
 """
 import dataclasses
 from functools import partial
@@ -71,11 +72,12 @@ class PaTHBlock(nn.Module):
             inter = default_intermediate_size(config.hidden_size, config.hidden_ratio)
         self.mlp = GatedMLP(config.hidden_size, inter)
 
-    def forward(self, hidden_states, attention_mask=None, cu_seqlens=None, state=None, use_cache=False):
+    def forward(self, hidden_states, attention_mask=None, cu_seqlens=None, state=None, use_cache=False, cache=None):
         """hidden_states [B, T, hidden] -> (hidden_states, the layer's decode state or None).
 
-        state None and use_cache: the prompt (prefill), returning a new state. state given: T tokens after
-        it, one decode step each. Otherwise the training forward (attention_mask [B, T] or cu_seqlens)."""
+        state None and use_cache: the prompt (prefill), returning a new state, of the kind `cache` (the model's
+        PaTHCache) chooses. state given: T tokens after it, one decode step each. Otherwise the training forward
+        (attention_mask [B, T] or cu_seqlens)."""
         h = self.attn_norm(hidden_states)
         if state is not None:
             outs = []
@@ -83,6 +85,8 @@ class PaTHBlock(nn.Module):
                 y, state = layer_step(self.attn, h[:, t:t + 1], state)
                 outs.append(y)
             h = torch.cat(outs, dim=1)
+        elif use_cache and cache is not None:
+            h, state = cache.prefill_layer(self.attn, h, attention_mask=attention_mask, cu_seqlens=cu_seqlens)
         elif use_cache:
             h, state = self.attn.prefill(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens)
         else:
@@ -173,7 +177,8 @@ class PaTHModel(PaTHPreTrainedModel):
                 h, _ = self._gradient_checkpointing_func(fn, h)
             else:
                 h, state = layer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                                 state=cache[i] if use_cache else None, use_cache=use_cache)
+                                 state=cache[i] if use_cache else None, use_cache=use_cache,
+                                 cache=cache if use_cache else None)
                 if use_cache:
                     cache.set_layer(i, state)
         h = self.norm(h)
@@ -217,7 +222,22 @@ class PaTHForCausalLM(PaTHPreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls):
-        return False  # the model makes its own PaTHCache on the prompt's forward
+        return False  # not transformers' DynamicCache: a PaTHCache (_prepare_cache_for_generation below)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length, *args, **kwargs):
+        """generate()'s cache hook: makes the PaTHCache (unless the caller passed one as cache= or
+        past_key_values=) and tells an empty one the most positions this run feeds it, max_cache_length (the
+        prompt and the new tokens but the last), so that its paged layers take their pages at the prompt."""
+        if generation_config.use_cache is False:
+            return
+        cache = model_kwargs.get("cache")
+        if cache is None:
+            cache = model_kwargs.get("past_key_values")
+        if cache is None:
+            cache = model_kwargs["past_key_values"] = PaTHCache()
+        if isinstance(cache, PaTHCache) and len(cache) == 0 and cache.max_length is None:
+            cache.max_length = int(max_cache_length)
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, labels=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
