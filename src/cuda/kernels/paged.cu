@@ -26,6 +26,8 @@ constexpr int kTileRows = 64;       // cached rows a CTA scores per tile
 constexpr int kHeadsPerPass = 4;    // query heads of a GQA group whose accumulators live in registers together
 constexpr int kSegThreads = 8;      // threads that share one key row in the score phase
 constexpr int kMaxSweep = kPagedMaxPending + 1;  // rows of a sweep: the pending tokens and the new one
+constexpr int kMinSplitRows = 256;  // a split's rows amortise its sweep (the query carried back, ~S K-vector steps)
+constexpr int kSplitWaves = 2;      // waves of resident CTAs a step's splits aim at
 
 struct PagedArgs {
   // The step's inputs at token t of the call (q, k, v, o over [N, T, heads, dim]; w, beta, g in their dtypes).
@@ -643,12 +645,21 @@ Status paged_decode(const PathPagedDecodeParams& p, const core::Problem& pr) {
   PagedArgs a{};
   fill_cache_args(p.cache, pr, &a);
   a.N = int(N);
-  // Splits of the cached rows and flush CTAs a slot and kv head: about two CTAs an SM over the grid, a split no
-  // shorter than 256 rows of the slot's capacity (a step's grid cannot depend on lengths that live on the device).
-  const int64_t cap = int64_t(a.max_pages) * a.page;
-  const int64_t want = (2 * int64_t(sms) + N * pr.H - 1) / (N * pr.H);
-  a.nsplit = int(std::max<int64_t>(1, std::min<int64_t>({want, (cap + 255) / 256, 1024})));
-  a.flush_ctas = int(std::max<int64_t>(1, std::min<int64_t>(want, 32)));
+  // Splits of the cached rows and flush CTAs a slot and kv head. A step's grid cannot depend on lengths that live
+  // on the device, so it is sized by the capacity: splits of at least kMinSplitRows rows, and the fewest splits
+  // from kSplitWaves waves of resident CTAs (two an SM) up whose last wave is at least 90% full.
+  const int64_t cap = int64_t(a.max_pages) * a.page, units = N * pr.H, slots = 2 * int64_t(sms);
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>((cap + kMinSplitRows - 1) / kMinSplitRows, 1024));
+  int64_t ns = std::min<int64_t>(most, std::max<int64_t>(1, (kSplitWaves * slots + units - 1) / units));
+  for (int64_t c = ns; c <= std::min(most, 2 * ns); ++c) {
+    const int64_t ctas = units * c, waves = (ctas + slots - 1) / slots;
+    if (ctas * 10 >= waves * slots * 9) {
+      ns = c;
+      break;
+    }
+  }
+  a.nsplit = int(ns);
+  a.flush_ctas = int(std::max<int64_t>(1, std::min<int64_t>((slots + units - 1) / units, 32)));
   a.q = p.q.data;
   a.k = p.k.data;
   a.v = p.v.data;
