@@ -361,7 +361,7 @@ def main():
     ap.add_argument("--no-amp", action="store_true", help="PyTorch in fp32 (default: bf16 autocast)")
     ap.add_argument("--tiny", action="store_true", help="small models and batches (a smoke test)")
     ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="an extra engine override for every configuration, e.g. train.tf32=true (repeatable; "
+                    help="an extra engine override for every configuration, e.g. train.matmul=bf16 (repeatable; "
                          "the PyTorch side reads the model and train keys too)")
     ap.add_argument("--kernels", action="store_true",
                     help="also the engine's GPU time by kernel under Nsight Compute (ncu), a window of launches "
@@ -432,8 +432,8 @@ def main():
         return "-" if sps is None else f"{sps * per_step:,.0f}"
 
     engine_side = "CUDA device, fp32" if args.device.startswith("cuda") else "CPU, fp32"
-    if extra.get("train.tf32") is True:
-        engine_side += ", TF32 GEMMs"
+    if extra.get("train.matmul") in ("tf32", "bf16"):
+        engine_side += f", {extra['train.matmul'].upper()} GEMMs"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     commit = git_commit() or args.commit or os.environ.get("PATHATTN_COMMIT") or "unknown"
     torch_side = ("torch.compile" if not args.no_compile else "eager") + (", bf16 autocast" if not args.no_amp

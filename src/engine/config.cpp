@@ -228,7 +228,10 @@ void read_train(const json& j, TrainConfig* t) {
   s.get("dtype", &t->dtype, {"f32", "f64"});
   s.get("backend", &t->backend, {"cpu", "oracle"});
   s.get("device", &t->device, {"cpu", "cuda"});
-  s.get("tf32", &t->tf32);
+  s.get("matmul", &t->matmul, {"fp32", "tf32", "bf16"});
+  bool tf32 = false;  // the key before train.matmul (checkpoints carry their configs): true reads as "tf32"
+  s.get("tf32", &tf32);
+  if (tf32) t->matmul = "tf32";
   s.get("threads", &t->threads, 0, 1024);
   s.get("eval_every", &t->eval_every, 0, 1 << 30);
   s.get("checkpoint_every", &t->checkpoint_every, 0, 1 << 30);
@@ -380,7 +383,7 @@ json config_to_json(const RunConfig& c) {
                 {"warmup_steps", r.warmup_steps}, {"weight_decay", r.weight_decay}, {"beta1", r.beta1},
                 {"beta2", r.beta2}, {"adam_eps", r.adam_eps}, {"grad_clip", r.grad_clip}, {"seed", r.seed},
                 {"dtype", r.dtype}, {"backend", r.backend}, {"device", r.device},
-                {"tf32", r.tf32}, {"threads", r.threads},
+                {"matmul", r.matmul}, {"threads", r.threads},
                 {"eval_every", r.eval_every}, {"checkpoint_every", r.checkpoint_every},
                 {"log_every", r.log_every}};
   return j;

@@ -101,7 +101,9 @@ struct TrainConfig {
   std::string dtype = "f32";    // f32 | f64
   std::string backend = "cpu";  // attention backend of the cpu device: cpu | oracle
   std::string device = "cpu";   // where the whole model trains: cpu | cuda (engine/cuda/, PATHATTN_CUDA=ON builds)
-  bool tf32 = false;            // cuda: TF32 tensor-core GEMMs (off: plain fp32, tight CPU parity)
+  // cuda GEMMs: "fp32" (CUDA cores, tight CPU parity), "tf32" or "bf16" (tensor cores: inputs rounded to 10 / 7
+  // mantissa bits inside cuBLAS, fp32 accumulation, fp32 storage and master weights).
+  std::string matmul = "fp32";
   int threads = 0;              // attention threads; 0: OpenMP default
   int eval_every = 0;           // 0: only at the end
   int checkpoint_every = 0;     // 0: only at the end

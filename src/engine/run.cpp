@@ -173,7 +173,7 @@ struct CudaTrainer {
   Model<float> host;
   AdamW<float> host_adam;
   CudaModel dev;
-  explicit CudaTrainer(const RunConfig& cfg) : host(cfg.model), dev(cfg.model, cfg.train.tf32) {
+  explicit CudaTrainer(const RunConfig& cfg) : host(cfg.model), dev(cfg.model, cfg.train.matmul) {
     host_adam.init(int64_t(host.params.size()));
   }
   void init(uint64_t seed) {
@@ -430,7 +430,7 @@ std::vector<json> evaluate_trained(const RunResult& r, const std::vector<TaskCon
   m.params = r.params_f32;
 #ifdef PATHATTN_ENGINE_CUDA
   if (cfg.train.device == "cuda") {
-    CudaModel dev(cfg.model, cfg.train.tf32);
+    CudaModel dev(cfg.model, cfg.train.matmul);
     dev.upload(m, nullptr);
     return evaluate_all(dev, tasks, max_tokens, done);
   }

@@ -50,6 +50,10 @@ TEST(EngineErrors, MalformedConfigs) {
   expect_error([] { parse_config_text("{\"model\": {\"attn\": \"alibi\"}}", "c.json"); }, {"model.attn", "rope"});
   expect_error([] { parse_config_text("{\"task\": {\"name\": \"copy\"}}", "c.json"); }, {"task.name", "flipflop"});
   expect_error([] { parse_config_text("{\"model\": []}", "c.json"); }, {"model", "JSON object"});
+  expect_error([] { parse_config_text("{\"train\": {\"matmul\": \"fp16\"}}", "c.json"); }, {"train.matmul", "bf16"});
+  // The key train.matmul replaced: a checkpoint's config with train.tf32 still loads.
+  EXPECT_EQ(parse_config_text("{\"train\": {\"tf32\": true}}", "c.json").train.matmul, "tf32");
+  EXPECT_EQ(parse_config_text("{\"train\": {\"matmul\": \"bf16\"}}", "c.json").train.matmul, "bf16");
   expect_error([] { load_config_file("/nonexistent/dir/cfg.json"); }, {"cannot open config file"});
   // Cross-field checks once the task is known.
   RunConfig c;

@@ -699,7 +699,10 @@ double l2_diff(const std::vector<float>& a, const std::vector<float>& b) {
 // The same bounds hold for the flip-flop cases below (head dim 32 or 48, zero-padded to 64 at the attention
 // call; one layer, so Wo's init scale is 0.02 / sqrt(2)): the padding is exact (engine/cuda/model_cuda.cpp),
 // so the only difference is again the bf16 rounding of the same K-element rows.
-void parity(RunConfig cfg, const std::string& label) {
+// With train.matmul = "bf16" every GEMM rounds its operands to bf16 (u = 2^-9 against fp32's 2^-24, fp32 sums):
+// the attention op's own bf16 operands already set the bounds above, and rounding every matrix product's
+// operands too moves the loss and gradients by a few more u each, so the bounds are ten times looser (`loose`).
+void parity(RunConfig cfg, const std::string& label, double loose = 1.0) {
   const char* const name = label.c_str();
   const auto task = make_task(cfg.task);
   cfg = resolve_config(cfg, *task);
@@ -710,7 +713,7 @@ void parity(RunConfig cfg, const std::string& label) {
   const std::vector<float> init = cpu.params;
   AdamW<float> opt;
   opt.init(int64_t(cpu.params.size()));
-  CudaModel dev(cfg.model, false);
+  CudaModel dev(cfg.model, cfg.train.matmul);
   dev.upload(cpu, &opt);
   Batch b;
   for (int64_t step = 0; step < cfg.train.steps; ++step) {
@@ -720,7 +723,7 @@ void parity(RunConfig cfg, const std::string& label) {
     const StepStats sc = cpu.forward(b.tokens.data(), b.targets.data(), b.B, b.T);
     const StepStats sd = dev.forward(b.tokens.data(), b.targets.data(), b.B, b.T);
     EXPECT_EQ(sc.count, sd.count);
-    const double tol = (step == 0 ? 2e-4 : 1e-3) * sc.loss;
+    const double tol = (step == 0 ? 2e-4 : 1e-3) * loose * sc.loss;
     EXPECT_NEAR(sd.loss, sc.loss, tol) << name << " step " << step;
     std::printf("  %s step %lld: loss cpu %.6f cuda %.6f (diff %.2e)\n", name, (long long)step, sc.loss, sd.loss,
                 sd.loss - sc.loss);
@@ -732,7 +735,7 @@ void parity(RunConfig cfg, const std::string& label) {
       for (const ParamInfo& p : cpu.layout()) {
         const double e = rel_l2(gd, cpu.grads, p.offset, p.numel);
         worst = std::max(worst, e);
-        EXPECT_LT(e, 3e-2) << name << " gradient of " << p.name;
+        EXPECT_LT(e, 3e-2 * loose) << name << " gradient of " << p.name;
       }
       std::printf("  %s step 0: worst per-tensor relative L2 gradient difference %.2e\n", name, worst);
     }
@@ -740,7 +743,7 @@ void parity(RunConfig cfg, const std::string& label) {
     const double nc = opt.step(cpu, cfg.train, lr);
     const double nd = dev.adam_step(cfg.train, lr);
     if (step == 0) {
-      EXPECT_NEAR(nd, nc, 3e-2 * nc) << "grad norm";
+      EXPECT_NEAR(nd, nc, 3e-2 * loose * nc) << "grad norm";
     }
   }
   Model<float> back(cfg.model);
@@ -750,7 +753,7 @@ void parity(RunConfig cfg, const std::string& label) {
   const double moved = l2_diff(cpu.params, init), apart = l2_diff(back.params, cpu.params);
   std::printf("  %s: parameters moved %.4f (cpu), cpu vs cuda %.4f\n", name, moved, apart);
   EXPECT_GT(moved, 0.0);
-  EXPECT_LT(apart, 0.05 * moved) << name;
+  EXPECT_LT(apart, 0.05 * loose * moved) << name;
 }
 
 void parity(AttnKind attn) { parity(a5_config(attn), attn_kind_name(attn)); }
@@ -776,6 +779,13 @@ TEST(EngineCudaParity, PathA5) {
 TEST(EngineCudaParity, RopeA5) {
   REQUIRE_GPU();
   parity(AttnKind::rope);
+}
+
+TEST(EngineCudaParity, PathA5Bf16Matmul) {
+  REQUIRE_GPU();
+  RunConfig cfg = a5_config(AttnKind::path);
+  cfg.train.matmul = "bf16";
+  parity(cfg, "path bf16 matmul", 10.0);
 }
 
 // Head dims below 64: the attention runs on heads zero-padded to 64. PaTH (w padded), PaTH-FoX (the gate,

@@ -411,15 +411,20 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64
 
 // ---- launchers -------------------------------------------------------------------------------------------
 
-void gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+void gemm(const Blas& h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands, keep the flags.
-  check(cublasSgemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K),
-                    &alpha, B, int(ldb), A, int(lda), &beta, C, int(ldc)),
-        "sgemm");
+  const cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (h.precision == GemmPrecision::bf16) {
+    check(cublasGemmEx(h.h, opb, opa, int(N), int(M), int(K), &alpha, B, CUDA_R_32F, int(ldb), A, CUDA_R_32F, int(lda),
+                       &beta, C, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT),
+          "gemm (bf16)");
+    return;
+  }
+  check(cublasSgemm(h.h, opb, opa, int(N), int(M), int(K), &alpha, B, int(ldb), A, int(lda), &beta, C, int(ldc)), "sgemm");
 }
 
-void linear_fwd(cublasHandle_t h, cudaStream_t s, const float* x, const float* W, const float* b, float* y,
+void linear_fwd(const Blas& h, cudaStream_t s, const float* x, const float* W, const float* b, float* y,
                 int64_t N, int64_t In, int64_t Out) {
   if (b) {
     broadcast_rows_kernel<<<blocks_for(N * Out), kThreads, 0, s>>>(b, y, N, Out);
@@ -428,7 +433,7 @@ void linear_fwd(cublasHandle_t h, cudaStream_t s, const float* x, const float* W
   gemm(h, false, false, N, Out, In, 1.0f, x, In, W, Out, b ? 1.0f : 0.0f, y, Out);
 }
 
-void linear_bwd(cublasHandle_t h, cudaStream_t s, const float* x, const float* W, const float* dy, float* dx,
+void linear_bwd(const Blas& h, cudaStream_t s, const float* x, const float* W, const float* dy, float* dx,
                 float* dW, float* db, int64_t N, int64_t In, int64_t Out, bool accumulate) {
   if (dx) gemm(h, false, true, N, In, Out, 1.0f, dy, Out, W, Out, accumulate ? 1.0f : 0.0f, dx, In);
   if (dW) gemm(h, true, false, In, Out, N, 1.0f, x, In, dy, Out, 1.0f, dW, Out);

@@ -19,16 +19,26 @@ namespace pathattn::engine::gpu {
 void check(cudaError_t e, const char* what);
 void check(cublasStatus_t e, const char* what);
 
+// How a handle's GEMMs compute: fp32 (cublasSgemm under the handle's math mode: plain fp32, or TF32 where the
+// mode allows it) or bf16 (cublasGemmEx, CUBLAS_COMPUTE_32F_FAST_16BF: fp32 operands rounded to bf16 inside
+// cuBLAS, tensor cores, fp32 accumulation and output).
+enum class GemmPrecision { fp32, bf16 };
+struct Blas {
+  cublasHandle_t h = nullptr;
+  GemmPrecision precision = GemmPrecision::fp32;
+  Blas(cublasHandle_t handle = nullptr, GemmPrecision p = GemmPrecision::fp32) : h(handle), precision(p) {}
+};
+
 // Row-major GEMM with cpu::gemm's contract, through cuBLAS on the handle's stream and math mode:
 // C[M, N] = alpha op(A)[M, K] op(B)[K, N] + beta C, op(X) = X or X^T, leading dimensions in elements.
-void gemm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+void gemm(const Blas& h, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 // y[N, Out] = x[N, In] W[In, Out] + b[Out] (b may be null). The handle must run on stream s.
-void linear_fwd(cublasHandle_t h, cudaStream_t s, const float* x, const float* W, const float* b, float* y,
+void linear_fwd(const Blas& h, cudaStream_t s, const float* x, const float* W, const float* b, float* y,
                 int64_t N, int64_t In, int64_t Out);
 // dx[N, In] (=|+=) dy W^T (dx may be null); dW[In, Out] += x^T dy; db[Out] += column sums of dy (may be null).
-void linear_bwd(cublasHandle_t h, cudaStream_t s, const float* x, const float* W, const float* dy, float* dx,
+void linear_bwd(const Blas& h, cudaStream_t s, const float* x, const float* W, const float* dy, float* dx,
                 float* dW, float* db, int64_t N, int64_t In, int64_t Out, bool accumulate);
 
 // dst[D] += sum_n src[n, d] over src [N, D], summed in fp64 in a fixed order.

@@ -94,7 +94,7 @@ struct CudaModel::Impl {
   ParamOffsets po;
   int64_t total = 0;
   cudaStream_t s = nullptr;
-  cublasHandle_t blas = nullptr;
+  gpu::Blas blas;
 
   DevBuf<float> params, grads, adam_m, adam_v;
   int64_t adam_t = 0;
@@ -214,7 +214,7 @@ struct CudaModel::Impl {
   void sync() { check(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
 };
 
-CudaModel::CudaModel(const ModelConfig& cfg, bool tf32) : impl_(std::make_unique<Impl>()) {
+CudaModel::CudaModel(const ModelConfig& cfg, const std::string& matmul) : impl_(std::make_unique<Impl>()) {
   check_cuda_model(cfg);
   Impl& I = *impl_;
   I.cfg = cfg;
@@ -223,10 +223,13 @@ CudaModel::CudaModel(const ModelConfig& cfg, bool tf32) : impl_(std::make_unique
   I.po = param_offsets(cfg, I.layout);
   I.total = I.layout.back().offset + I.layout.back().numel;
   check(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking), "cudaStreamCreate");
-  check(cublasCreate(&I.blas), "cublasCreate");
-  check(cublasSetStream(I.blas, I.s), "cublasSetStream");
-  // Pinned explicitly: plain fp32 GEMMs unless the config asks for TF32.
-  check(cublasSetMathMode(I.blas, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  if (matmul != "fp32" && matmul != "tf32" && matmul != "bf16")
+    throw EngineError("train.matmul: expected fp32, tf32 or bf16, got " + matmul);
+  check(cublasCreate(&I.blas.h), "cublasCreate");
+  check(cublasSetStream(I.blas.h, I.s), "cublasSetStream");
+  // Pinned explicitly: plain fp32 GEMMs unless the config asks for tensor cores.
+  check(cublasSetMathMode(I.blas.h, matmul == "tf32" ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  if (matmul == "bf16") I.blas.precision = gpu::GemmPrecision::bf16;
   for (DevBuf<float>* b : {&I.params, &I.grads, &I.adam_m, &I.adam_v}) {
     b->ensure(I.total);
     check(cudaMemsetAsync(b->get(), 0, size_t(I.total) * sizeof(float), I.s), "cudaMemset");
@@ -241,7 +244,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, bool tf32) : impl_(std::make_unique
 CudaModel::~CudaModel() {
   if (!impl_) return;
   cudaStreamSynchronize(impl_->s);
-  if (impl_->blas) cublasDestroy(impl_->blas);
+  if (impl_->blas.h) cublasDestroy(impl_->blas.h);
   if (impl_->s) cudaStreamDestroy(impl_->s);
 }
 
@@ -261,7 +264,7 @@ StepStats CudaModel::forward(const int32_t* tokens, const int32_t* targets, int6
   I.nt = T_;
   I.ensure(N);
   const cudaStream_t s = I.s;
-  cublasHandle_t h = I.blas;
+  const gpu::Blas& h = I.blas;
   std::vector<int32_t> tg(size_t(N), -1), rows, start;
   if (targets) std::copy(targets, targets + N, tg.begin());
   int64_t count = 0;
@@ -342,7 +345,7 @@ void CudaModel::backward() {
   const bool path = attn_has_path(cfg.attn), gate = attn_has_gate(cfg.attn);
   if (I.count == 0) return;  // no counted row: the loss is the constant 0
   const cudaStream_t s = I.s;
-  cublasHandle_t h = I.blas;
+  const gpu::Blas& h = I.blas;
   const float* P = I.params;
   float* G = I.grads;
 

@@ -29,9 +29,10 @@ void check_cuda_model(const ModelConfig& cfg);
 
 class CudaModel {
  public:
-  // Allocates parameters, gradients and AdamW moments (zero) on the current device. tf32: cuBLAS may use
-  // TF32 tensor cores (CUBLAS_TF32_TENSOR_OP_MATH); otherwise the math mode is pinned to CUBLAS_DEFAULT_MATH.
-  CudaModel(const ModelConfig& cfg, bool tf32);
+  // Allocates parameters, gradients and AdamW moments (zero) on the current device. matmul (TrainConfig::matmul):
+  // "fp32" pins cuBLAS to CUBLAS_DEFAULT_MATH; "tf32" lets it use TF32 tensor cores (CUBLAS_TF32_TENSOR_OP_MATH);
+  // "bf16" runs the GEMMs with bf16 inputs on tensor cores (CUBLAS_COMPUTE_32F_FAST_16BF), fp32 accumulation.
+  CudaModel(const ModelConfig& cfg, const std::string& matmul);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
