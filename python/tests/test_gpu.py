@@ -393,9 +393,10 @@ def test_model_generate_paged_on_cuda(gate, dtype):
     against the PathCache: three left-padded prompts (150, 37 and 90 tokens), 48 new tokens. The same greedy
     tokens, but at ties closer than twice the bar times the step's largest |logit| (bf16 logits tie often: their
     spacing is 2^-8 of their size); logits within GENERATE_BAR where the contexts agree. PaTHCache() on CUDA is
-    paged (the default)."""
+    paged exactly when pathattn.models.cache.PAGED_ON_CUDA is set."""
     pytest.importorskip("transformers")
     from pathattn.models import PagedAttentionState, PaTHCache, PaTHConfig, PaTHForCausalLM
+    from pathattn.models.cache import PAGED_ON_CUDA
 
     torch.manual_seed(0)
     cfg = PaTHConfig(hidden_size=512, num_hidden_layers=2, num_heads=8, num_kv_heads=2, use_forget_gate=gate,
@@ -418,7 +419,8 @@ def test_model_generate_paged_on_cuda(gate, dtype):
     generate(default)
     want, ref = generate(path)
     got, logits = generate(paged)
-    assert all(isinstance(s, PagedAttentionState) for s in default.layers + paged.layers)
+    assert all(isinstance(s, PagedAttentionState) for s in paged.layers)
+    assert all(isinstance(s, PagedAttentionState) == PAGED_ON_CUDA for s in default.layers)
     assert not any(isinstance(s, PagedAttentionState) for s in path.layers)
     bar = GENERATE_BAR[dtype]
     same = same_greedy_tokens(got, want, ref, T, 2 * bar)

@@ -25,8 +25,10 @@ from ..nn import PaTHAttentionState
 from ..paged import PAGED_MAX_PENDING, PagedCache, paged_decode, paged_prefill
 
 # Whether PaTHCache(paged=None), the default, keeps the layers of a model on CUDA in paged form (the PathCache when
-# off; PaTHCache's docstring says why). CPU layers keep the PathCache either way.
-PAGED_ON_CUDA = True
+# off; PaTHCache's docstring says why). CPU layers keep the PathCache either way. Off until the paged kernels'
+# GPU tests (test_gpu.py -k paged, tests/cuda/test_cuda_paged.cpp) have passed on a GPU; PaTHCache(paged=True)
+# asks for it explicitly.
+PAGED_ON_CUDA = False
 
 # Room (tokens beyond the prompt) a paged layer's block table is made for when no max_length is known, as the
 # PathCache's default capacity; a step past it widens the table (a copy of the pool).
