@@ -46,7 +46,8 @@ set(PATHATTN_CUDA_SOURCES
   src/cuda/kernels/bwd_super.cu
   src/cuda/kernels/bwd_chunk.cu
   src/cuda/kernels/decode.cu
-  src/cuda/kernels/paged.cu
+  src/cuda/kernels/paged_step.cu
+  src/cuda/kernels/paged_prefill.cu
   src/cuda/kernels/w_conv_norm.cu
   src/cuda/w_conv_norm.cu
   src/cuda/bwd_run.cu

@@ -1,6 +1,6 @@
 // api/paged.cpp: the public entries of the paged decode cache (include/pathattn/paged.h). Each validates the
 // step as a forward problem, then the cache's views and (prefill always, decode when asked) its metadata on
-// host copies, then runs cpu/paged.cpp (oracle and cpu backends) or cuda/kernels/paged.cu.
+// host copies, then runs cpu/paged.cpp (oracle and cpu backends) or cuda/kernels/paged_step.cu and paged_prefill.cu.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -17,9 +17,11 @@ namespace {
 
 Status bad(const std::string& m) { return Status(Status::Code::invalid_argument, m); }
 
+#ifndef PATHATTN_WITH_CUDA
 Status no_cuda() {
   return Status(Status::Code::unavailable, "backend: cuda was requested but this build of pathattn has no CUDA backend");
 }
+#endif
 
 // The paged cache's pages hold fp32 or fp16 keys: fp64 inputs have no place in them.
 Status refuse_f64(const core::Problem& pr) {

@@ -25,7 +25,7 @@ Status decode(const PathDecodeParams& p, const core::Problem& pr, const std::vec
 Status prefill_f32(const PathPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& slots);
 Status decode_f32(const PathDecodeParams& p, const core::Problem& pr, const std::vector<int64_t>& lengths);
 
-// The paged cache (kernels/paged.cu; include/pathattn/paged.h), after api/paged.cpp's validation. q, k, v in
+// The paged cache (kernels/paged_step.cu, paged_prefill.cu; include/pathattn/paged.h), after api/paged.cpp's validation. q, k, v in
 // bf16 / f16, K = V in {64, 128}, key pages f16 or f32, S <= kPagedMaxPending.
 // paged_prefill: runs the forward, then writes sequence i (seqs[i], in sequence order, empty ones included) into
 //   slot slots[i]: keys transported to its end, values, gate cumsums; lengths and flushed set on the device.
