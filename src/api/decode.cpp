@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "api/step_params.h"
 #include "core/convert.h"
 #include "core/problem.h"
 #include "cpu/cpu_backend.h"
@@ -67,20 +68,7 @@ Status path_attn_prefill(const PathPrefillParams& p) {
 // Decode: the step's inputs are a forward problem with B = N and T = 1, so check_fwd validates them all;
 // then the cache, with room for one more token in every slot.
 Status path_attn_decode(const PathDecodeParams& p) {
-  PathFwdParams f;
-  f.q = p.q;
-  f.k = p.k;
-  f.v = p.v;
-  f.w = p.w;
-  f.beta = p.beta;
-  f.g = p.g;
-  f.scale = p.scale;
-  f.gate_scale = p.gate_scale;
-  f.o = p.o;
-  f.lse = p.lse;
-  f.backend = p.backend;
-  f.num_threads = p.num_threads;
-  f.stream = p.stream;
+  const PathFwdParams f = api::step_as_fwd(p);
   core::Problem pr;
   PA_TRY(core::check_fwd(f, &pr));
   if (pr.T != 1) {

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "api/step_params.h"
 #include "core/convert.h"
 #include "core/problem.h"
 #include "cpu/cpu_backend.h"
@@ -143,20 +144,7 @@ Status path_attn_paged_prefill(const PathPagedPrefillParams& p) {
 // Decode: the step's inputs are a forward problem with B = N slots of T tokens, so check_fwd validates them;
 // then the cache's views with N = B, and with p.validate its metadata, before anything is written.
 Status path_attn_paged_decode(const PathPagedDecodeParams& p) {
-  PathFwdParams f;
-  f.q = p.q;
-  f.k = p.k;
-  f.v = p.v;
-  f.w = p.w;
-  f.beta = p.beta;
-  f.g = p.g;
-  f.scale = p.scale;
-  f.gate_scale = p.gate_scale;
-  f.o = p.o;
-  f.lse = p.lse;
-  f.backend = p.backend;
-  f.num_threads = p.num_threads;
-  f.stream = p.stream;
+  const PathFwdParams f = api::step_as_fwd(p);
   core::Problem pr;
   PA_TRY(core::check_fwd(f, &pr));
   PA_TRY(refuse_f64(pr));

@@ -200,6 +200,62 @@ HostTensor random_dout(const Case& c, uint64_t seed) {
   return d;
 }
 
+HostTensor gather_t(const HostTensor& x, const std::vector<int64_t>& rows, int64_t B, int64_t Tn) {
+  const TensorView v = x.view();
+  std::vector<int64_t> shape(v.shape, v.shape + v.ndim);
+  shape[0] = B;
+  shape[1] = Tn;
+  HostTensor out(x.dtype(), shape);
+  const int64_t inner = v.stride[1];
+  for (size_t r = 0; r < rows.size(); ++r)
+    for (int64_t e = 0; e < inner; ++e) out.set(int64_t(r) * inner + e, x.get(rows[r] * inner + e));
+  return out;
+}
+
+Case sub_case(const Case& full, const std::vector<int64_t>& rows, int64_t B, int64_t Tn, std::vector<int64_t> seqlens) {
+  Case c;
+  c.spec = full.spec;
+  c.spec.B = B;
+  c.spec.T = Tn;
+  c.spec.seqlens = seqlens;
+  c.q = gather_t(full.q, rows, B, Tn);
+  c.k = gather_t(full.k, rows, B, Tn);
+  c.v = gather_t(full.v, rows, B, Tn);
+  if (full.spec.path) {
+    c.w = gather_t(full.w, rows, B, Tn);
+    c.beta = gather_t(full.beta, rows, B, Tn);
+  }
+  if (full.spec.gate) c.g = gather_t(full.g, rows, B, Tn);
+  if (!seqlens.empty()) {
+    c.cu = HostTensor(DType::i64, {int64_t(seqlens.size()) + 1});
+    int64_t acc = 0;
+    c.cu.set(0, 0);
+    for (size_t n = 0; n < seqlens.size(); ++n) c.cu.set(int64_t(n) + 1, double(acc += seqlens[n]));
+  }
+  return c;
+}
+
+Case to_f64(const Case& c) {
+  Case d = c;
+  d.spec.dtype = DType::f64;
+  auto cv = [](const HostTensor& h) { return h.present() ? h.cast(DType::f64) : HostTensor(); };
+  d.q = cv(c.q);
+  d.k = cv(c.k);
+  d.v = cv(c.v);
+  d.w = cv(c.w);
+  d.beta = cv(c.beta);
+  d.g = cv(c.g);
+  return d;
+}
+
+TensorView slice_t(const TensorView& x, int64_t t0, int64_t len) {
+  TensorView s = x;
+  if (!x.present()) return s;
+  s.data = static_cast<char*>(x.data) + t0 * x.stride[1] * dtype_size(x.dtype);
+  s.shape[1] = len;
+  return s;
+}
+
 BwdOut run_bwd(const Case& c, const FwdOut& f, const HostTensor& dout, Backend backend, int num_threads,
                int chunk_size) {
   const CaseSpec& s = c.spec;

@@ -84,6 +84,16 @@ BwdOut run_bwd(const Case& c, const FwdOut& f, const HostTensor& dout, Backend b
 // A random output gradient [B, T, HQ, V] in the dtype of v.
 HostTensor random_dout(const Case& c, uint64_t seed);
 
+// Cases cut from others (the decode tests' prompts and steps).
+// The positions `rows` of a [1, T, ...] tensor as a new contiguous [B, Tn, ...] tensor (B * Tn == rows.size()).
+HostTensor gather_t(const HostTensor& x, const std::vector<int64_t>& rows, int64_t B, int64_t Tn);
+// A case made of the positions `rows` of `full` (B = 1), laid out [B, Tn]; varlen when seqlens is given.
+Case sub_case(const Case& full, const std::vector<int64_t>& rows, int64_t B, int64_t Tn, std::vector<int64_t> seqlens);
+// The same case with every float tensor in f64 (values unchanged).
+Case to_f64(const Case& c);
+// A view of positions [t0, t0 + len) along dimension 1 (absent stays absent).
+TensorView slice_t(const TensorView& x, int64_t t0, int64_t len);
+
 // Error metrics over fp64 copies.
 double rel_l2(const std::vector<double>& a, const std::vector<double>& ref);
 double max_rel(const std::vector<double>& a, const std::vector<double>& ref);  // max|a-r| / max|r|

@@ -70,22 +70,6 @@ struct DevTensor {
 DevTensor dev_in(const HostTensor& h) { return h.present() ? DevTensor(h, true) : DevTensor(); }
 TensorView vw(const DevTensor& d) { return d.ptr ? d.view : TensorView{}; }
 
-// fp64 copy of every float input: the oracle's exact reference on the very values the GPU sees.
-Case to_f64(const Case& c) {
-  Case r;
-  r.spec = c.spec;
-  r.spec.dtype = DType::f64;
-  auto cv = [](const HostTensor& h) { return h.present() ? h.cast(DType::f64) : HostTensor(); };
-  r.q = cv(c.q);
-  r.k = cv(c.k);
-  r.v = cv(c.v);
-  r.w = cv(c.w);
-  r.beta = cv(c.beta);
-  r.g = cv(c.g);
-  r.cu = c.cu;
-  return r;
-}
-
 struct GpuRun {
   HostTensor o, lse, dq, dk, dv, dw, dbeta, dg;
   Status fs, bs;
@@ -836,15 +820,6 @@ double cache_err(const HostTensor& got, const HostTensor& ref, const TestCache& 
   if (a.empty()) return 0.0;
   if (!all_finite(a)) return std::numeric_limits<double>::infinity();
   return rel_l2(a, b);
-}
-
-// A view of positions [t0, t0 + len) along dimension 1 (keeps the strides).
-TensorView slice_t(const TensorView& x, int64_t t0, int64_t len) {
-  TensorView s = x;
-  if (!x.present()) return s;
-  s.data = static_cast<char*>(x.data) + t0 * x.stride[1] * dtype_size(x.dtype);
-  s.shape[1] = len;
-  return s;
 }
 
 int64_t num_slots(const Case& c) { return c.spec.seqlens.empty() ? c.spec.B : int64_t(c.spec.seqlens.size()); }

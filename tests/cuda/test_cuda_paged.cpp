@@ -66,6 +66,21 @@ struct Buf {
   T* as() { return reinterpret_cast<T*>(host.data()); }
 };
 
+// Inputs of a call on the backend `be`: host tensors as they are, or device copies kept alive here.
+struct Inputs {
+  Backend be;
+  std::vector<Buf> dev;
+  explicit Inputs(Backend b = Backend::cuda) : be(b) { dev.reserve(16); }
+  TensorView put(const HostTensor& h) {
+    if (!h.present()) return TensorView{};
+    if (be != Backend::cuda) return h.view();
+    dev.emplace_back(h.dtype(), std::vector<int64_t>(h.view().shape, h.view().shape + h.view().ndim));
+    std::memcpy(dev.back().host.data(), h.view().data, dev.back().host.size());
+    dev.back().up();
+    return dev.back().dv();
+  }
+};
+
 struct Shape {
   int64_t N, HQ, H, K, V, S, page, max_pages, pool;
   bool path, gate;
@@ -221,15 +236,8 @@ void prefill_slot(const Case& c, Cache& cache, int64_t n, int64_t P, Backend be,
   HostTensor o(s.dtype, {1, P, s.HQ, s.V});
   HostTensor slot(DType::i32, {1});
   slot.set(0, double(n));
-  std::vector<Buf> dev;
-  auto put = [&](const HostTensor& h) -> TensorView {
-    if (!h.present()) return TensorView{};
-    if (be != Backend::cuda) return h.view();
-    dev.emplace_back(h.dtype(), std::vector<int64_t>(h.view().shape, h.view().shape + h.view().ndim));
-    std::memcpy(dev.back().host.data(), h.view().data, dev.back().host.size());
-    dev.back().up();
-    return dev.back().dv();
-  };
+  Inputs in(be);
+  auto put = [&](const HostTensor& h) { return in.put(h); };
   PathPagedPrefillParams p;
   p.fwd.q = put(q), p.fwd.k = put(k), p.fwd.v = put(v), p.fwd.w = put(w), p.fwd.beta = put(beta), p.fwd.g = put(g);
   p.fwd.o = put(o);
@@ -240,7 +248,9 @@ void prefill_slot(const Case& c, Cache& cache, int64_t n, int64_t P, Backend be,
   p.slots = slot.view();
   const Status st = path_attn_paged_prefill(p);
   ASSERT_TRUE(st.ok()) << st.message();
-  if (be == Backend::cuda) EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (be == Backend::cuda) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
 }
 
 struct StepOut {
@@ -256,16 +266,8 @@ StepOut step(const Case& c, Cache& cache, const std::vector<int64_t>& pos, Backe
   StepOut r{HostTensor(s.dtype, {s.B, 1, s.HQ, s.V}), HostTensor(DType::f32, {s.B, 1, s.HQ})};
   r.o.poison();
   r.lse.poison();
-  std::vector<Buf> dev;
-  dev.reserve(8);
-  auto put = [&](const HostTensor& h) -> TensorView {
-    if (!h.present()) return TensorView{};
-    if (be != Backend::cuda) return h.view();
-    dev.emplace_back(h.dtype(), std::vector<int64_t>(h.view().shape, h.view().shape + h.view().ndim));
-    std::memcpy(dev.back().host.data(), h.view().data, dev.back().host.size());
-    dev.back().up();
-    return dev.back().dv();
-  };
+  Inputs in(be);
+  auto put = [&](const HostTensor& h) { return in.put(h); };
   PathPagedDecodeParams p;
   p.q = put(q), p.k = put(k), p.v = put(v), p.w = put(w), p.beta = put(beta), p.g = put(g);
   p.o = put(r.o);
@@ -279,10 +281,12 @@ StepOut step(const Case& c, Cache& cache, const std::vector<int64_t>& pos, Backe
   EXPECT_TRUE(st.ok()) << st.message();
   if (be == Backend::cuda) {
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    dev[size_t(dev.size() - 2)].down();
-    dev[size_t(dev.size() - 1)].down();
-    std::memcpy(r.o.mutable_view().data, dev[dev.size() - 2].host.data(), dev[dev.size() - 2].host.size());
-    std::memcpy(r.lse.mutable_view().data, dev[dev.size() - 1].host.data(), dev[dev.size() - 1].host.size());
+    Buf& o = in.dev[in.dev.size() - 2];
+    Buf& lse = in.dev[in.dev.size() - 1];
+    o.down();
+    lse.down();
+    std::memcpy(r.o.mutable_view().data, o.host.data(), o.host.size());
+    std::memcpy(r.lse.mutable_view().data, lse.host.data(), lse.host.size());
   }
   return r;
 }
@@ -446,24 +450,19 @@ TEST(CudaPaged, ChunkEqualsSingleStepsBitwise) {
   };
   HostTensor q = chunk(c.q), k = chunk(c.k), v = chunk(c.v), w = chunk(c.w), beta = chunk(c.beta);
   HostTensor o(sh.dt, {sh.N, T, sh.HQ, sh.V});
-  std::vector<Buf> dev;
-  dev.reserve(6);
-  auto put = [&](const HostTensor& h) {
-    dev.emplace_back(h.dtype(), std::vector<int64_t>(h.view().shape, h.view().shape + h.view().ndim));
-    std::memcpy(dev.back().host.data(), h.view().data, dev.back().host.size());
-    dev.back().up();
-    return dev.back().dv();
-  };
+  Inputs in;
+  auto put = [&](const HostTensor& h) { return in.put(h); };
   PathPagedDecodeParams p;
   p.q = put(q), p.k = put(k), p.v = put(v), p.w = put(w), p.beta = put(beta), p.o = put(o);
   p.cache = b.view(true);
   p.backend = Backend::cuda;
   const Status st = path_attn_paged_decode(p);
   ASSERT_TRUE(st.ok()) << st.message();
-  dev.back().down();
+  Buf& od = in.dev.back();
+  od.down();
   for (int64_t n = 0; n < sh.N; ++n)
     for (int64_t t = 0; t < T; ++t)
-      ASSERT_EQ(std::memcmp(dev.back().host.data() + ((n * T + t) * sh.HQ * sh.V) * 2,
+      ASSERT_EQ(std::memcmp(od.host.data() + ((n * T + t) * sh.HQ * sh.V) * 2,
                             static_cast<const char*>(singles[size_t(t)].o.view().data) + n * sh.HQ * sh.V * 2,
                             size_t(sh.HQ * sh.V * 2)), 0) << "slot " << n << " token " << t;
   a.down();
@@ -501,14 +500,8 @@ TEST(CudaPaged, BadMetadataSkippedOrRefused) {
   PathPagedDecodeParams p;
   HostTensor q = gather(c.q, {31, 31, 31}), k = gather(c.k, {31, 31, 31}), v = gather(c.v, {31, 31, 31});
   HostTensor w = gather(c.w, {31, 31, 31}), beta = gather(c.beta, {31, 31, 31}), o(sh.dt, {sh.N, 1, sh.HQ, sh.V});
-  std::vector<Buf> dev;
-  dev.reserve(6);
-  auto put = [&](const HostTensor& h) {
-    dev.emplace_back(h.dtype(), std::vector<int64_t>(h.view().shape, h.view().shape + h.view().ndim));
-    std::memcpy(dev.back().host.data(), h.view().data, dev.back().host.size());
-    dev.back().up();
-    return dev.back().dv();
-  };
+  Inputs in;
+  auto put = [&](const HostTensor& h) { return in.put(h); };
   p.q = put(q), p.k = put(k), p.v = put(v), p.w = put(w), p.beta = put(beta), p.o = put(o);
   p.cache = a.view(true);
   p.backend = Backend::cuda;
@@ -595,14 +588,8 @@ TEST(CudaPaged, Soak32kStepsF16Keys) {
     prefill_slot(c, a, 0, P, Backend::cuda);
     const Exact ex(c);
     // Every step's inputs go up once, as [1, steps, ...] device tensors; a step reads token t of them.
-    std::vector<Buf> dev;
-    dev.reserve(6);
-    auto put = [&](const HostTensor& h) {
-      dev.emplace_back(h.dtype(), std::vector<int64_t>(h.view().shape, h.view().shape + h.view().ndim));
-      std::memcpy(dev.back().host.data(), h.view().data, dev.back().host.size());
-      dev.back().up();
-      return dev.back().dv();
-    };
+    Inputs in;
+    auto put = [&](const HostTensor& h) { return in.put(h); };
     const TensorView dq = put(c.q), dk = put(c.k), dvv = put(c.v), dw = put(c.w), db = put(c.beta);
     HostTensor o(sh.dt, {1, 1, sh.HQ, sh.V});
     Buf od(sh.dt, {1, 1, sh.HQ, sh.V});
