@@ -150,10 +150,10 @@ __device__ void sweep(const PagedArgs& a, StepSmem<K, V>& sm, int n, int h, int 
   float u[KP];
 #pragma unroll
   for (int i = 0; i < KP; ++i) u[i] = to_f(q[lane + 32 * i]);
-  for (int j = L; j >= m; --j) {
-    const int r = j - m;
-    float kv[KP], wv[KP], b = 0.f;
-    if (r == pc) {  // the new token, from the step's inputs
+  // Row r of the sweep (r = j - m): the new token from the step's inputs (r == pc), else a pending row.
+  auto load_row = [&](int r, float (&kv)[KP], float (&wv)[KP], float& b) {
+    b = 0.f;
+    if (r == pc) {
       const VT* kr = in_row<VT>(a.k, a.k_s, n, a.t, h);
 #pragma unroll
       for (int i = 0; i < KP; ++i) kv[i] = to_f(kr[lane + 32 * i]);
@@ -163,7 +163,7 @@ __device__ void sweep(const PagedArgs& a, StepSmem<K, V>& sm, int n, int h, int 
         for (int i = 0; i < KP; ++i) wv[i] = load_param(a.w, a.w_dt, wo + lane + 32 * i);
         b = load_param(a.beta, a.beta_dt, n * a.beta_s[0] + int64_t(a.t) * a.beta_s[1] + h * a.beta_s[2]);
       }
-    } else {  // a pending token
+    } else {
       const float* kr = a.pk + n * a.pk_s[0] + r * a.pk_s[1] + h * a.pk_s[2];
       const float* wr = a.pw + n * a.pw_s[0] + r * a.pw_s[1] + h * a.pw_s[2];
 #pragma unroll
@@ -173,6 +173,14 @@ __device__ void sweep(const PagedArgs& a, StepSmem<K, V>& sm, int n, int h, int 
       }
       b = a.pb[n * a.pb_s[0] + r * a.pb_s[1] + h];
     }
+  };
+  float kv[KP], wv[KP], b;
+  load_row(pc, kv, wv, b);
+  for (int j = L; j >= m; --j) {
+    const int r = j - m;
+    // The next row's loads go out before this row's reductions, which hide their latency (the sweep is serial).
+    float kn[KP], wn[KP], bn = 0.f;
+    if (r > 0) load_row(r - 1, kn, wn, bn);
     float dk = 0.f, dw = 0.f;
 #pragma unroll
     for (int i = 0; i < KP; ++i) {
@@ -189,6 +197,14 @@ __device__ void sweep(const PagedArgs& a, StepSmem<K, V>& sm, int n, int h, int 
       const float c = b * dw;
 #pragma unroll
       for (int i = 0; i < KP; ++i) u[i] -= c * wv[i];
+    }
+    if (r > 0) {
+#pragma unroll
+      for (int i = 0; i < KP; ++i) {
+        kv[i] = kn[i];
+        wv[i] = wn[i];
+      }
+      b = bn;
     }
   }
 #pragma unroll
