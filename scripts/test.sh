@@ -96,9 +96,9 @@ fuzz_tests() {
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
     -DCMAKE_C_COMPILER=clang -DPATHATTN_FUZZ=ON -DPATHATTN_SANITIZE=address,undefined \
     -DPATHATTN_BUILD_TESTS=OFF -DPATHATTN_BUILD_APPS=OFF
-  cmake --build build-fuzz -j "$jobs" --target fuzz_config fuzz_set fuzz_checkpoint fuzz_validate
+  cmake --build build-fuzz -j "$jobs" --target fuzz_config fuzz_set fuzz_checkpoint fuzz_validate fuzz_paged
   local t work rc=0 log
-  for t in config set checkpoint validate; do
+  for t in config set checkpoint validate paged; do
     work=$(mktemp -d)  # new inputs go here; the committed corpus is only read
     log=build-fuzz/fuzz_$t.log
     if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

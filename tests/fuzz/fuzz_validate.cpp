@@ -8,19 +8,12 @@
 #include <cstring>
 #include <vector>
 
+#include "fuzz_bytes.h"
 #include "pathattn/pathattn.h"
 
 using namespace pathattn;
 
 namespace {
-
-// Reads the input byte by byte; zeros once it runs out.
-struct Bytes {
-  const uint8_t* p;
-  size_t n, i = 0;
-  uint8_t next() { return i < n ? p[i++] : 0; }
-  int64_t small(int64_t hi) { return int64_t(next()) % (hi + 1); }  // [0, hi]
-};
 
 struct Buf {
   std::vector<double> mem;  // 8-byte elements: room for any dtype
