@@ -103,6 +103,11 @@ if [ "$TESTS" = 1 ] && [ "$PYONLY" = 0 ]; then
       --gtest_filter='CudaBackend.NonFiniteInputsStayConfined:CudaBackend.HeadDims16And32Padded:CudaWConvNorm.*' \
       > "$OUTDIR/memcheck_rare.log" 2>&1; echo "memcheck (rare paths) rc=$?" | tee -a "$OUTDIR/memcheck_rare.log"
     tail -3 "$OUTDIR/memcheck_rare.log"
+    # The paged cache's kernels: flush, step, combine, prefill's scatter, the skipped bad slot.
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/cuda/test_cuda_paged" \
+      --gtest_filter='CudaPaged.ChunkEqualsSingleStepsBitwise:CudaPaged.BadMetadataSkippedOrRefused:CudaPaged.PlainAttentionWithoutW' \
+      > "$OUTDIR/memcheck_paged.log" 2>&1; echo "memcheck (paged) rc=$?" | tee -a "$OUTDIR/memcheck_paged.log"
+    tail -3 "$OUTDIR/memcheck_paged.log"
     # The out-of-memory path: its failed allocations are the test, so API errors are not counted.
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 "$TEST" \
       --gtest_filter='CudaBackend.OutOfMemoryFailsCleanly' > "$OUTDIR/memcheck_oom.log" 2>&1
