@@ -51,53 +51,68 @@ Status copy_to_host(void* dst, const void* src, size_t bytes, void* stream) {
   PA_CU(cudaStreamSynchronize(s));
   return Status::Ok();
 }
+// Sequences go through the dense prefill's walk in groups whose fp32 temporaries stay under this many bytes (at
+// least one sequence a group), so a prefill's extra memory stays bounded whatever the batch; the forward runs once.
+constexpr int64_t kPrefillTempBytes = int64_t(512) << 20;
+
 Status paged_prefill(const PathPagedPrefillParams& p, const core::Problem& pr, const std::vector<core::Seq>& seqs,
                      const std::vector<int32_t>& slots) {
   PA_TRY(check_paged_support(pr, p.fwd.q, p.cache));
   cudaStream_t s = static_cast<cudaStream_t>(p.fwd.stream);
-  const int64_t ns = int64_t(seqs.size());
-  int64_t longest = 1;
-  for (const core::Seq& q : seqs) longest = std::max(longest, q.len);
-  // The dense fp32 prefill (kernels/decode.cu) into temporaries, then a scatter into the pages.
-  Workspace ws(s);
-  float *kc = nullptr, *vc = nullptr;
-  double* gc = nullptr;
-  PA_CU(ws.alloc(&kc, size_t(std::max<int64_t>(ns, 1)) * pr.H * longest * pr.K));
-  PA_CU(ws.alloc(&vc, size_t(std::max<int64_t>(ns, 1)) * pr.H * longest * pr.V));
-  if (pr.gate) PA_CU(ws.alloc(&gc, size_t(std::max<int64_t>(ns, 1)) * pr.HQ * longest));
-  std::vector<int64_t> host_len(size_t(std::max<int64_t>(ns, 1)), 0);
-  PathPrefillParams d;
-  d.fwd = p.fwd;
-  d.cache.kc = make_view(kc, DType::f32, {ns, pr.H, longest, pr.K}, Device::cuda);
-  d.cache.vc = make_view(vc, DType::f32, {ns, pr.H, longest, pr.V}, Device::cuda);
-  if (pr.gate) d.cache.gc = make_view(gc, DType::f64, {ns, pr.HQ, longest}, Device::cuda);
-  d.cache.lengths = make_view(host_len.data(), DType::i64, {ns});
-  PA_TRY(prefill(d, pr, seqs));
-  if (ns == 0) return Status::Ok();
+  if (!pr.seqs.empty()) PA_TRY(fwd(p.fwd, pr));  // o and lse, once for every sequence
+  core::Problem walk = pr;
+  walk.seqs.clear();  // the dense prefill below then fills its cache only (kernels/decode.cu)
   PagedArgs a{};
   fill_cache_args(p.cache, pr, &a);
-  ScatterArgs sa{};
-  sa.kc = kc;
-  sa.vc = vc;
-  sa.gc = gc;
-  strides3(d.cache.kc, sa.kc_s);
-  strides3(d.cache.vc, sa.vc_s);
-  if (pr.gate) strides3(d.cache.gc, sa.gc_s);
-  std::vector<int2> table(static_cast<size_t>(ns));
-  for (int64_t i = 0; i < ns; ++i) table[size_t(i)] = make_int2(slots[size_t(i)], int(seqs[size_t(i)].len));
-  int2* dseqs = nullptr;
-  PA_CU(ws.alloc(&dseqs, table.size()));
-  PA_CU(ws.upload(dseqs, table.data(), table.size() * sizeof(int2)));
-  sa.seqs = dseqs;
-  const unsigned grid = unsigned(ns * pr.H);
   const bool f16 = p.cache.k_pages.dtype == DType::f16, vh = p.fwd.v.dtype == DType::f16;
-  if (f16 && vh) paged_scatter_kernel<__half, __half><<<grid, 256, 0, s>>>(a, sa);
-  else if (f16) paged_scatter_kernel<__half, __nv_bfloat16><<<grid, 256, 0, s>>>(a, sa);
-  else if (vh) paged_scatter_kernel<float, __half><<<grid, 256, 0, s>>>(a, sa);
-  else paged_scatter_kernel<float, __nv_bfloat16><<<grid, 256, 0, s>>>(a, sa);
-  PA_CU(cudaGetLastError());
-  // The host copy of the (slot, length) table must outlive the upload: wait for it.
-  PA_CU(cudaStreamSynchronize(s));
+  const int64_t per_row = pr.H * (pr.K + pr.V) * 4 + (pr.gate ? pr.HQ * 8 : 0);  // temporary bytes a token
+  for (size_t g0 = 0; g0 < seqs.size();) {
+    size_t g1 = g0;
+    int64_t C = 1;
+    while (g1 < seqs.size() &&
+           (g1 == g0 || int64_t(g1 + 1 - g0) * std::max(C, seqs[g1].len) * per_row <= kPrefillTempBytes)) {
+      C = std::max(C, seqs[g1].len);
+      ++g1;
+    }
+    const std::vector<core::Seq> group(seqs.begin() + g0, seqs.begin() + g1);
+    const int64_t ng = int64_t(group.size());
+    Workspace ws(s);
+    float *kc = nullptr, *vc = nullptr;
+    double* gc = nullptr;
+    PA_CU(ws.alloc(&kc, size_t(ng * pr.H * C * pr.K)));
+    PA_CU(ws.alloc(&vc, size_t(ng * pr.H * C * pr.V)));
+    if (pr.gate) PA_CU(ws.alloc(&gc, size_t(ng * pr.HQ * C)));
+    std::vector<int64_t> host_len(size_t(ng), 0);
+    PathPrefillParams d;
+    d.fwd = p.fwd;
+    d.cache.kc = make_view(kc, DType::f32, {ng, pr.H, C, pr.K}, Device::cuda);
+    d.cache.vc = make_view(vc, DType::f32, {ng, pr.H, C, pr.V}, Device::cuda);
+    if (pr.gate) d.cache.gc = make_view(gc, DType::f64, {ng, pr.HQ, C}, Device::cuda);
+    d.cache.lengths = make_view(host_len.data(), DType::i64, {ng});
+    PA_TRY(prefill(d, walk, group));
+    ScatterArgs sa{};
+    sa.kc = kc;
+    sa.vc = vc;
+    sa.gc = gc;
+    strides3(d.cache.kc, sa.kc_s);
+    strides3(d.cache.vc, sa.vc_s);
+    if (pr.gate) strides3(d.cache.gc, sa.gc_s);
+    std::vector<int2> table(static_cast<size_t>(ng));
+    for (int64_t i = 0; i < ng; ++i) table[size_t(i)] = make_int2(slots[g0 + size_t(i)], int(group[size_t(i)].len));
+    int2* dseqs = nullptr;
+    PA_CU(ws.alloc(&dseqs, table.size()));
+    PA_CU(ws.upload(dseqs, table.data(), table.size() * sizeof(int2)));
+    sa.seqs = dseqs;
+    const unsigned grid = unsigned(ng * pr.H);
+    if (f16 && vh) paged_scatter_kernel<__half, __half><<<grid, 256, 0, s>>>(a, sa);
+    else if (f16) paged_scatter_kernel<__half, __nv_bfloat16><<<grid, 256, 0, s>>>(a, sa);
+    else if (vh) paged_scatter_kernel<float, __half><<<grid, 256, 0, s>>>(a, sa);
+    else paged_scatter_kernel<float, __nv_bfloat16><<<grid, 256, 0, s>>>(a, sa);
+    PA_CU(cudaGetLastError());
+    // The host copy of the (slot, length) table must outlive the upload: wait for it.
+    PA_CU(cudaStreamSynchronize(s));
+    g0 = g1;
+  }
   return Status::Ok();
 }
 
