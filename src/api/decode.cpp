@@ -4,8 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "api/step_params.h"
-#include "core/convert.h"
+#include "api/inference.h"
 #include "core/problem.h"
 #include "cpu/cpu_backend.h"
 #ifdef PATHATTN_WITH_CUDA
@@ -17,23 +16,6 @@ namespace {
 
 Status bad(const std::string& m) { return Status(Status::Code::invalid_argument, m); }
 
-// Every sequence of a validated forward, empty ones included, in cache-slot order: slot n is batch row n,
-// or varlen sequence n.
-std::vector<core::Seq> all_seqs(const PathFwdParams& p, const core::Problem& pr) {
-  std::vector<core::Seq> out;
-  if (p.cu_seqlens.present()) {
-    const TensorView& cu = p.cu_seqlens;
-    for (int64_t n = 0; n < pr.num_seqs; ++n) {
-      const int64_t a = core::load_elem<int64_t>(cu.data, cu.dtype, n * cu.stride[0]);
-      const int64_t b = core::load_elem<int64_t>(cu.data, cu.dtype, (n + 1) * cu.stride[0]);
-      out.push_back({0, a, b - a});
-    }
-  } else {
-    for (int64_t b = 0; b < pr.B; ++b) out.push_back({b, 0, pr.T});
-  }
-  return out;
-}
-
 }  // namespace
 
 // Prefill: validate the forward and the cache, run the forward on its backend, then build the cache, one
@@ -42,7 +24,7 @@ Status path_attn_prefill(const PathPrefillParams& p) {
   core::Problem pr;
   PA_TRY(core::check_fwd(p.fwd, &pr));
   PA_TRY(core::check_cache(p.cache, pr, pr.num_seqs, /*need_room=*/false));
-  const std::vector<core::Seq> seqs = all_seqs(p.fwd, pr);
+  const std::vector<core::Seq> seqs = api::all_seqs(p.fwd, pr);
   const int64_t cap = p.cache.kc.shape[2];
   for (size_t n = 0; n < seqs.size(); ++n) {
     if (seqs[n].len > cap) {

@@ -5,8 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "api/step_params.h"
-#include "core/convert.h"
+#include "api/inference.h"
 #include "core/problem.h"
 #include "cpu/cpu_backend.h"
 #ifdef PATHATTN_WITH_CUDA
@@ -65,22 +64,6 @@ Status read_meta(const PagedCache& c, const core::PagedGeometry& g, void* stream
   return read_i32(c.flushed, 1, g.N, stream, &m->flushed);
 }
 
-// Every sequence of a validated forward, empty ones included, in order: batch row n, or varlen sequence n.
-std::vector<core::Seq> all_seqs(const PathFwdParams& p, const core::Problem& pr) {
-  std::vector<core::Seq> out;
-  if (p.cu_seqlens.present()) {
-    const TensorView& cu = p.cu_seqlens;
-    for (int64_t n = 0; n < pr.num_seqs; ++n) {
-      const int64_t a = core::load_elem<int64_t>(cu.data, cu.dtype, n * cu.stride[0]);
-      const int64_t b = core::load_elem<int64_t>(cu.data, cu.dtype, (n + 1) * cu.stride[0]);
-      out.push_back({0, a, b - a});
-    }
-  } else {
-    for (int64_t b = 0; b < pr.B; ++b) out.push_back({b, 0, pr.T});
-  }
-  return out;
-}
-
 // The slot of each sequence: `slots` ([num_seqs] i32, host memory; distinct, in [0, N)) or sequence n -> slot n.
 Status resolve_slots(const TensorView& s, int64_t num_seqs, int64_t N, std::vector<int32_t>* out) {
   out->clear();
@@ -123,7 +106,7 @@ Status path_attn_paged_prefill(const PathPagedPrefillParams& p) {
   PA_TRY(core::check_paged_cache(p.cache, pr, p.fwd.v.dtype, -1, &g));
   std::vector<int32_t> slots;
   PA_TRY(resolve_slots(p.slots, pr.num_seqs, g.N, &slots));
-  const std::vector<core::Seq> seqs = all_seqs(p.fwd, pr);
+  const std::vector<core::Seq> seqs = api::all_seqs(p.fwd, pr);
   HostMeta meta;
   PA_TRY(read_meta(p.cache, g, p.fwd.stream, /*table_only=*/true, &meta));
   for (size_t i = 0; i < seqs.size(); ++i) {
