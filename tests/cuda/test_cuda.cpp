@@ -17,16 +17,10 @@
 #include "cuda/device/kspan.h"
 #include "cuda/heuristics.h"
 #include "check/harness.h"
+#include "gpu_skip.h"
 
 namespace pathattn::test {
 namespace {
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: CUDA backend tests skipped"
 
 // A device copy of a host tensor (same dtype and shape, contiguous), poisoned (all bits set: NaN) when
 // made as an output.

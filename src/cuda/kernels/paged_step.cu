@@ -442,27 +442,32 @@ size_t flush_smem(int K) {
   return (size_t(K) * K + size_t(kPagedMaxPending) * K + kPagedMaxPending + K + size_t(kTileRows) * K) * sizeof(float);
 }
 
+// The call's T tokens, each a step of three launches; the flush kernel's shared-memory limit is raised once.
 template <typename KT, typename VT, int K, int V>
-Status launch_step(const PagedArgs& a, cudaStream_t s) {
+Status launch_steps(PagedArgs a, int T, cudaStream_t s) {
+  const size_t smem = flush_smem(K);
   if (a.path) {
-    const size_t smem = flush_smem(K);
     PA_CU(cudaFuncSetAttribute(paged_flush_kernel<KT, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    paged_flush_kernel<KT, K><<<dim3(unsigned(a.N * a.H), unsigned(a.flush_ctas)), kThreads, smem, s>>>(a);
+  }
+  for (a.t = 0; a.t < T; ++a.t) {
+    if (a.path) {
+      paged_flush_kernel<KT, K><<<dim3(unsigned(a.N * a.H), unsigned(a.flush_ctas)), kThreads, smem, s>>>(a);
+      PA_CU(cudaGetLastError());
+    }
+    paged_decode_kernel<KT, VT, K, V><<<dim3(unsigned(a.N * a.H), unsigned(a.nsplit)), kThreads, 0, s>>>(a);
+    PA_CU(cudaGetLastError());
+    paged_combine_kernel<VT><<<unsigned(a.N * a.HQ), unsigned(std::max(V, 32)), 0, s>>>(a);
     PA_CU(cudaGetLastError());
   }
-  paged_decode_kernel<KT, VT, K, V><<<dim3(unsigned(a.N * a.H), unsigned(a.nsplit)), kThreads, 0, s>>>(a);
-  PA_CU(cudaGetLastError());
-  paged_combine_kernel<VT><<<unsigned(a.N * a.HQ), unsigned(std::max(V, 32)), 0, s>>>(a);
-  PA_CU(cudaGetLastError());
   return Status::Ok();
 }
 
 template <typename KT, typename VT>
-Status launch_step_dims(const PagedArgs& a, cudaStream_t s) {
-  if (a.K == 128 && a.V == 128) return launch_step<KT, VT, 128, 128>(a, s);
-  if (a.K == 64 && a.V == 64) return launch_step<KT, VT, 64, 64>(a, s);
-  if (a.K == 128 && a.V == 64) return launch_step<KT, VT, 128, 64>(a, s);
-  return launch_step<KT, VT, 64, 128>(a, s);
+Status launch_steps_dims(const PagedArgs& a, int T, cudaStream_t s) {
+  if (a.K == 128 && a.V == 128) return launch_steps<KT, VT, 128, 128>(a, T, s);
+  if (a.K == 64 && a.V == 64) return launch_steps<KT, VT, 64, 64>(a, T, s);
+  if (a.K == 128 && a.V == 64) return launch_steps<KT, VT, 128, 64>(a, T, s);
+  return launch_steps<KT, VT, 64, 128>(a, T, s);
 }
 
 }  // namespace
@@ -520,14 +525,9 @@ Status paged_decode(const PathPagedDecodeParams& p, const core::Problem& pr) {
   PA_CU(ws.alloc(&a.part, size_t(N) * pr.HQ * a.nsplit * (pr.V + 2)));
   PA_CU(ws.alloc(&a.info, size_t(N)));
   const bool f16 = p.cache.k_pages.dtype == DType::f16, vh = p.v.dtype == DType::f16;
-  for (int t = 0; t < int(pr.T); ++t) {
-    a.t = t;
-    Status st;
-    if (f16) st = vh ? launch_step_dims<__half, __half>(a, s) : launch_step_dims<__half, __nv_bfloat16>(a, s);
-    else st = vh ? launch_step_dims<float, __half>(a, s) : launch_step_dims<float, __nv_bfloat16>(a, s);
-    PA_TRY(st);
-  }
-  return Status::Ok();
+  const int T = int(pr.T);
+  if (f16) return vh ? launch_steps_dims<__half, __half>(a, T, s) : launch_steps_dims<__half, __nv_bfloat16>(a, T, s);
+  return vh ? launch_steps_dims<float, __half>(a, T, s) : launch_steps_dims<float, __nv_bfloat16>(a, T, s);
 }
 
 }  // namespace pathattn::cuda
