@@ -301,21 +301,11 @@ void paged_decode(const InArray& q, const InArray& k, const InArray& v, const Op
                   OptOut& pend_beta, double scale, double gate_scale, bool validate, int backend, int num_threads,
                   uintptr_t stream) {
   PathPagedDecodeParams p;
-  p.q = view_of("q", q);
-  p.k = view_of("k", k);
-  p.v = view_of("v", v);
-  p.w = opt_view("w", w);
-  p.beta = opt_view("beta", beta);
-  p.g = opt_view("g", g);
-  p.scale = scale;
-  p.gate_scale = gate_scale;
+  set_common(p, q, k, v, w, beta, g, scale, gate_scale, backend, num_threads, stream);
   p.o = view_of("o", o);
   p.lse = opt_view("lse", lse);
   p.cache = paged_cache_of(k_pages, v_pages, g_pages, block_table, lengths, flushed, pend_k, pend_w, pend_beta);
   p.validate = validate;
-  p.backend = to_backend(backend);
-  p.num_threads = num_threads;
-  p.stream = to_stream(stream);
   run_released(path_attn_paged_decode, p);
 }
 
