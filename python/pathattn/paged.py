@@ -294,6 +294,59 @@ class PagedCache:
             c._stream = None
             return c
 
+    def widened(self, num_pages, max_pages):
+        """A torch cache equal to this one with a pool of num_pages pages and a block table max_pages wide, both at
+        least as large: the pages keep their indices, so the rows, the metadata and the allocator's state carry
+        over (the new pages join the free list). This cache is not to be used after."""
+        with self._lock:
+            P, M = self.num_pages, self.max_pages
+            c = PagedCache.__new__(PagedCache)
+            c.__dict__.update(self.__dict__)
+            for name in ("k_pages", "v_pages", "g_pages"):
+                x = getattr(self, name)
+                if x is not None:
+                    y = x.new_zeros((num_pages,) + tuple(x.shape[1:]))
+                    y[:P] = x
+                    setattr(c, name, y)
+            c.block_table = self.block_table.new_full((self.num_slots, max_pages), -1)
+            c.block_table[:, :M] = self.block_table
+            c._free = list(range(num_pages - 1, P - 1, -1)) + list(self._free)
+            c._pages = [list(p) for p in self._pages]
+            c._used = list(self._used)
+            c._lock = threading.RLock()
+            return c
+
+    def slots_copied(self, idx):
+        """A torch cache whose slot n is a copy of slot idx[n] of this one (beam search: a slot may be copied to
+        several slots, each then owning its own pages, since a flush rewrites its slot's pages in place)."""
+        torch = _torch()
+        with self._lock:
+            src = [self._pages[s] for s in idx]
+            total = sum(len(p) for p in src)
+            c = self.widened(max(self.num_pages, total), self.max_pages)
+            # the pages of the new slots, in slot order from page 0; the old contents gathered into them
+            gather = torch.tensor([p for ps in src for p in ps], dtype=torch.long, device=self.k_pages.device)
+            for name in ("k_pages", "v_pages", "g_pages"):
+                x = getattr(c, name)
+                if x is not None:
+                    x[:total] = getattr(self, name)[gather]
+            rows = torch.as_tensor(idx, dtype=torch.long, device=self.lengths.device)
+            for name in ("lengths", "flushed", "pend_k", "pend_w", "pend_beta"):
+                x = getattr(self, name)
+                if x is not None:
+                    setattr(c, name, x[rows])
+            c._pages, first = [], 0
+            for ps in src:
+                c._pages.append(list(range(first, first + len(ps))))
+                first += len(ps)
+            c._used = [self._used[s] for s in idx]
+            c._free = list(range(c.num_pages - 1, total - 1, -1))
+            table = np.full((c.num_slots, c.max_pages), -1, np.int32)
+            for n, ps in enumerate(c._pages):
+                table[n, :len(ps)] = ps
+            c.block_table = torch.from_numpy(table).to(self.block_table.device)
+            return c
+
     def _views(self):
         return dict(k_pages=self.k_pages, v_pages=self.v_pages, g_pages=self.g_pages, block_table=self.block_table,
                     lengths=self.lengths, flushed=self.flushed, pend_k=self.pend_k, pend_w=self.pend_w,

@@ -13,7 +13,6 @@ Every kind keeps the layer's short convolution state (conv_state) and is stepped
 """
 import math
 import numbers
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -114,58 +113,6 @@ class DenseAttentionState:
             self.conv_state = self.conv_state[idx]
 
 
-def _pool_copy(cache, num_pages, max_pages):
-    """A PagedCache equal to `cache` (a torch one) with a pool of num_pages pages and a block table max_pages wide,
-    both at least as large: the pages keep their indices, so the rows, the metadata and the allocator's state carry
-    over (the new pages join the free list). Follows PagedCache.clone(); the old cache is not to be used after."""
-    P, M = cache.num_pages, cache.max_pages
-    c = PagedCache.__new__(PagedCache)
-    c.__dict__.update(cache.__dict__)
-    for name in ("k_pages", "v_pages", "g_pages"):
-        x = getattr(cache, name)
-        if x is not None:
-            y = x.new_zeros((num_pages,) + tuple(x.shape[1:]))
-            y[:P] = x
-            setattr(c, name, y)
-    c.block_table = cache.block_table.new_full((cache.num_slots, max_pages), -1)
-    c.block_table[:, :M] = cache.block_table
-    c._free = list(range(num_pages - 1, P - 1, -1)) + list(cache._free)
-    c._pages = [list(p) for p in cache._pages]
-    c._used = list(cache._used)
-    c._lock = threading.RLock()
-    return c
-
-
-def _slots_reordered(cache, idx):
-    """A PagedCache whose slot n is a copy of slot idx[n] of `cache` (beam search: a slot may be copied to several
-    slots, each then owning its own pages, since a flush rewrites its slot's pages in place)."""
-    src = [cache._pages[s] for s in idx]
-    total = sum(len(p) for p in src)
-    c = _pool_copy(cache, max(cache.num_pages, total), cache.max_pages)
-    # the pages of the new slots, in slot order from page 0; the old contents gathered into them
-    gather = torch.tensor([p for ps in src for p in ps], dtype=torch.long, device=cache.k_pages.device)
-    for name in ("k_pages", "v_pages", "g_pages"):
-        x = getattr(c, name)
-        if x is not None:
-            x[:total] = getattr(cache, name)[gather]
-    rows = torch.as_tensor(idx, dtype=torch.long, device=cache.lengths.device)
-    for name in ("lengths", "flushed", "pend_k", "pend_w", "pend_beta"):
-        x = getattr(cache, name)
-        if x is not None:
-            setattr(c, name, x[rows])
-    c._pages, first = [], 0
-    for ps in src:
-        c._pages.append(list(range(first, first + len(ps))))
-        first += len(ps)
-    c._used = [cache._used[s] for s in idx]
-    c._free = list(range(c.num_pages - 1, total - 1, -1))
-    table = np.full((c.num_slots, c.max_pages), -1, np.int32)
-    for n, ps in enumerate(c._pages):
-        table[n, :len(ps)] = ps
-    c.block_table = torch.from_numpy(table).to(cache.block_table.device)
-    return c
-
-
 class PagedAttentionState:
     """One layer's decode state in a pathattn.PagedCache (N slots: slot n is sequence n of the batch).
 
@@ -218,7 +165,7 @@ class PagedAttentionState:
             c = self.cache
             if int(need.max()) > c.max_pages * c.page_size:  # a row is full: twice the width, a pool to fill it
                 width = max(2 * c.max_pages, -(-int(need.max()) // c.page_size))
-                self.cache = c = _pool_copy(c, c.num_slots * width, width)
+                self.cache = c = c.widened(c.num_slots * width, width)
             c.reserve(short, n)  # reads the lengths (a copy from the device on CUDA): once a page at most
             self._new_cache()
         o = paged_decode(q, k, v, w, beta, g, self.cache, validate=not self._checked)
@@ -228,7 +175,7 @@ class PagedAttentionState:
 
     def reorder(self, idx):
         idx = [int(i) for i in idx.tolist()]
-        self.cache = _slots_reordered(self.cache, idx)
+        self.cache = self.cache.slots_copied(idx)
         self.lengths = self.lengths[idx]
         if self.conv_state is not None:
             self.conv_state = self.conv_state[torch.as_tensor(idx, device=self.conv_state.device)]
